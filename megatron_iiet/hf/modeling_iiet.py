@@ -1,0 +1,506 @@
+"""Hugging Face model code for IIET (Iterative Implicit Euler Transformer) and its baselines.
+
+Shipped inside every exported checkpoint folder: it imports only torch and transformers (plus the
+sibling configuration_iiet.py). The architectures follow the project's spec (docs: spec/IIET.md):
+
+* Every layer owns one pre-norm block, `Block(u) = h + MLP(N2(h))`, `h = u + Attn(N1(u))`. A
+  layer's forward evaluates that block one or more times; each evaluation is a *pass*.
+* One mechanism runs every architecture: `IIETDecoderLayer.block(u, pass_index, ctx)`. The
+  per-architecture step functions below only say how pass inputs are formed and how pass outputs
+  are combined. The cross-layer history (PCformer, IIET history form) is the small `IIETHistory`.
+* Exact incremental decoding: every (layer, pass) has its own key/value store (`IIETCache`),
+  because during training each pass attends to the keys/values of its own pass.
+
+State-dict names follow the authors' LLaMA-style release; the full list is in docs/hf.md.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+try:  # transformers >= 5: init helpers that skip tensors already loaded from a checkpoint
+    from transformers import initialization as _init
+except ImportError:  # pragma: no cover - older transformers
+    _init = None
+
+from .configuration_iiet import IIETConfig
+
+# transformers 5 renamed the output field `past_key_values` to `cache`.
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+# ----------------------------------------------------------------------------------------------
+# KV cache: one slot per (layer, pass)
+# ----------------------------------------------------------------------------------------------
+class IIETCache(Cache):
+    """A transformers `Cache` with one growing key/value store per (layer, pass).
+
+    Slots are laid out layer by layer: layer l's passes occupy `offsets[l] .. offsets[l] +
+    passes[l] - 1`. Slot 0 (layer 0, pass 0) always exists, so `get_seq_length()` works unchanged.
+    """
+
+    def __init__(self, passes_per_layer):
+        self.passes_per_layer = [int(p) for p in passes_per_layer]
+        if not self.passes_per_layer or min(self.passes_per_layer) < 1:
+            raise ValueError(f"every layer needs at least one pass, got {self.passes_per_layer}")
+        self.slot_offsets = []
+        total = 0
+        for passes in self.passes_per_layer:
+            self.slot_offsets.append(total)
+            total += passes
+        super().__init__(layers=[DynamicLayer() for _ in range(total)])
+
+    def slot(self, layer_index, pass_index):
+        if not 0 <= pass_index < self.passes_per_layer[layer_index]:
+            raise IndexError(
+                f"layer {layer_index} has {self.passes_per_layer[layer_index]} cached passes, "
+                f"pass {pass_index} requested"
+            )
+        return self.slot_offsets[layer_index] + pass_index
+
+
+@dataclass
+class PassContext:
+    """What every pass of every layer needs besides its input: RoPE tables, mask, cache."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor | None
+    cache: IIETCache | None
+
+    def slot(self, layer_index, pass_index):
+        return None if self.cache is None else self.cache.slot(layer_index, pass_index)
+
+
+# ----------------------------------------------------------------------------------------------
+# Block pieces: RMSNorm, RoPE, attention, SwiGLU
+# ----------------------------------------------------------------------------------------------
+class IIETRMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x):
+        # Normalise in fp32 so bf16 checkpoints decode like their fp32 originals.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_tables(position_ids, head_dim, theta, dtype):
+    """cos/sin of shape [batch, 1, seq, head_dim], non-interleaved (halves) layout."""
+    exponents = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    angles = position_ids[..., None].float() * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos()[:, None].to(dtype), angles.sin()[:, None].to(dtype)
+
+
+def rotate_half(x):
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    return x * cos + rotate_half(x) * sin
+
+
+class IIETAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        d = config.hidden_size
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
+
+    def forward(self, x, ctx, slot):
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+        if ctx.cache is not None:
+            k, v = ctx.cache.update(k, v, slot)
+        if self.num_kv_heads != self.num_heads:
+            # GQA: key/value head j serves the consecutive query heads j*g .. j*g+g-1.
+            group = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class IIETMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class IIETDecoderLayer(nn.Module):
+    """The weights of one layer; `block` is one pass, with its own (layer, pass) cache slot."""
+
+    def __init__(self, config, layer_index):
+        super().__init__()
+        self.layer_index = layer_index
+        self.input_layernorm = IIETRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = IIETAttention(config)
+        self.post_attention_layernorm = IIETRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = IIETMLP(config)
+        if config.architecture == "ode_rk2_gated":
+            self.gate_linear = nn.Linear(2 * config.hidden_size, 1, bias=False)
+
+    def block(self, u, pass_index, ctx):
+        slot = ctx.slot(self.layer_index, pass_index)
+        h = u + self.self_attn(self.input_layernorm(u), ctx, slot)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# ----------------------------------------------------------------------------------------------
+# Cross-layer history (spec section 3)
+# ----------------------------------------------------------------------------------------------
+def uniform_lower_triangular(size):
+    """Row i holds 1/(i+1) in columns 0..i: every row starts as a plain average of the states."""
+    rows = torch.arange(size, dtype=torch.float32)[:, None]
+    return torch.tril(torch.ones(size, size)) / (rows + 1)
+
+
+class IIETHistory(nn.Module):
+    """States S_0 (embeddings) .. S_l, combined by the pop (W) and refine (Wc) matrices.
+
+    `states` is a plain Python list owned by the caller; index k holds S_k. Layers are 0-based
+    here, so layer i writes S_{i+1} and reads row i+1 of W / Wc.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        size, d, eps = config.num_hidden_layers + 1, config.hidden_size, config.history_norm_eps
+        self.weight = nn.Parameter(uniform_lower_triangular(size))
+        self.weight_c = nn.Parameter(uniform_lower_triangular(size))
+        self.layer_norms = nn.ModuleList(nn.LayerNorm(d, eps=eps) for _ in range(config.num_hidden_layers))
+        self.rouge_predictions_norm = nn.ModuleList(
+            nn.LayerNorm(d, eps=eps) for _ in range(config.num_hidden_layers)
+        )
+
+    def add_predictor(self, states, layer_index, z):
+        if len(states) != layer_index + 1:
+            raise RuntimeError(f"history holds {len(states)} states, layer {layer_index} expects {layer_index + 1}")
+        states.append(self.rouge_predictions_norm[layer_index](z))
+
+    def correct(self, states, layer_index, z):
+        states[layer_index + 1] = self.layer_norms[layer_index](z)
+
+    def pop(self, states, layer_index):
+        return self._combine(self.weight, states, layer_index + 1)
+
+    def refine(self, states, layer_index):
+        return self._combine(self.weight_c, states, layer_index + 1)
+
+    @staticmethod
+    def _combine(matrix, states, row):
+        coeffs = matrix[row, : row + 1].to(states[0].dtype)
+        out = coeffs[0] * states[0]
+        for k in range(1, row + 1):
+            out = out + coeffs[k] * states[k]
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Architectures: how pass inputs are formed and outputs combined (spec sections 1, 2, 4, 5)
+# Each step gets `run(u, pass_index) -> Block_l(u)` and returns the layer output.
+# ----------------------------------------------------------------------------------------------
+def vanilla_step(run, x, **_):
+    return run(x, 0)
+
+
+def _residual(run, u, pass_index):
+    """F(u) = Block(u) - u."""
+    return run(u, pass_index) - u
+
+
+def ode_rk2_step(run, x, **_):
+    f1 = _residual(run, x, 0)
+    f2 = _residual(run, x + f1, 1)
+    return x + (f1 + f2) / 2
+
+
+def ode_rk2_gated_step(run, x, layer, **_):
+    f1 = _residual(run, x, 0)
+    f2 = _residual(run, x + f1, 1)
+    g = torch.sigmoid(layer.gate_linear(torch.cat([f1, f2], dim=-1)))
+    return x + g * f1 + (1 - g) * f2
+
+
+def ode_rk4_step(run, x, **_):
+    f1 = _residual(run, x, 0)
+    f2 = _residual(run, x + f1 / 2, 1)
+    f3 = _residual(run, x + f2 / 2, 2)
+    f4 = _residual(run, x + f3, 3)
+    return x + (f1 + 2 * f2 + 2 * f3 + f4) / 6
+
+
+# Stage j+1 of the PCformer predictor starts from x + STEP[j] * o_j.
+_PC_STAGE_STEPS = {2: (1.0,), 4: (0.5, 0.5, 1.0)}
+
+
+def pcformer_step(run, x, layer, history, states, model, **_):
+    stages = len(model.RK_norm)
+    a = model.alpha.to(x.dtype)
+    outputs, u = [], x
+    for j in range(stages):
+        # o_j normalises the whole block output (input included), as released.
+        outputs.append(model.RK_norm[j](run(u, j)))
+        if j + 1 < stages:
+            u = x + _PC_STAGE_STEPS[stages][j] * outputs[-1]
+    predictor = x
+    for j, o in enumerate(outputs):  # EMA weights a(1-a)^(stages-1-j)
+        predictor = predictor + a * (1 - a) ** (stages - 1 - j) * o
+    i = layer.layer_index
+    history.add_predictor(states, i, predictor)
+    history.correct(states, i, run(history.pop(states, i), stages))
+    return history.refine(states, i)
+
+
+def iiet_history_step(run, x, layer, history, states, iterations, **_):
+    i = layer.layer_index
+    history.add_predictor(states, i, run(x, 0))
+    for it in range(1, iterations + 1):
+        history.correct(states, i, run(history.pop(states, i), it))
+    return history.refine(states, i)
+
+
+def iiet_fixed_point_step(run, x, iterations, **_):
+    y = run(x, 0)  # explicit-Euler predictor y_0 = x + F(x)
+    for it in range(1, iterations + 1):
+        y = x + _residual(run, y, it)
+    return y
+
+
+def select_step(config):
+    if config.architecture == "iiet":
+        return iiet_history_step if config.formulation == "history" else iiet_fixed_point_step
+    return {
+        "vanilla": vanilla_step,
+        "ode_rk2": ode_rk2_step,
+        "ode_rk2_gated": ode_rk2_gated_step,
+        "ode_rk4": ode_rk4_step,
+        "pcformer_rk2": pcformer_step,
+        "pcformer_rk4": pcformer_step,
+    }[config.architecture]
+
+
+# ----------------------------------------------------------------------------------------------
+# Masks and positions
+# ----------------------------------------------------------------------------------------------
+def build_attention_mask(padding_mask, query_len, past_len, device):
+    """Boolean [batch|1, 1, query, key] mask (True = attend), or None when nothing is masked."""
+    key_len = past_len + query_len
+    if padding_mask is None and query_len == 1:
+        return None
+    query_pos = torch.arange(past_len, key_len, device=device)[:, None]
+    key_pos = torch.arange(key_len, device=device)[None, :]
+    allowed = (key_pos <= query_pos)[None, None]
+    if padding_mask is not None:
+        if padding_mask.shape[-1] != key_len:
+            raise ValueError(
+                f"attention_mask covers {padding_mask.shape[-1]} positions, expected {key_len} "
+                f"({past_len} cached + {query_len} new)"
+            )
+        allowed = allowed & padding_mask[:, None, None, :].bool()
+        # A padded query still sees itself, so no softmax row is empty (that would give NaN).
+        allowed = allowed | (key_pos == query_pos)[None, None]
+    return allowed
+
+
+def default_position_ids(padding_mask, batch, query_len, past_len, device):
+    if padding_mask is not None:
+        # Left padding: positions count real tokens only, as they did in training.
+        positions = (padding_mask.long().cumsum(-1) - 1).clamp(min=0)
+        return positions[:, -query_len:]
+    return torch.arange(past_len, past_len + query_len, device=device)[None].expand(batch, -1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------
+class IIETPreTrainedModel(PreTrainedModel):
+    config_class = IIETConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["IIETDecoderLayer"]
+    _supports_sdpa = True
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, IIETHistory):
+            for matrix in (module.weight, module.weight_c):
+                _copy_init(matrix, uniform_lower_triangular(matrix.shape[0]))
+        elif isinstance(module, IIETModel) and hasattr(module, "alpha"):
+            _copy_init(module.alpha, torch.full_like(module.alpha, 0.5))
+
+
+def _copy_init(param, value):
+    if _init is not None:
+        _init.copy_(param, value.to(param.device, param.dtype))
+    else:  # pragma: no cover - older transformers
+        with torch.no_grad():
+            param.copy_(value)
+
+
+class IIETModel(IIETPreTrainedModel):
+    """Embedding, the L layers with their architecture's loop, final RMSNorm (HF prefix `model.`)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        d = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        self.layers = nn.ModuleList(IIETDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = IIETRMSNorm(d, config.rms_norm_eps)
+        if config.uses_history:
+            self.history = IIETHistory(config)
+        if config.architecture.startswith("pcformer"):
+            stages = 2 if config.architecture == "pcformer_rk2" else 4
+            self.alpha = nn.Parameter(torch.full((1,), 0.5))
+            self.RK_norm = nn.ModuleList(nn.LayerNorm(d, eps=config.history_norm_eps) for _ in range(stages))
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def _resolve_cache(self, cache, use_cache):
+        if cache is None and not use_cache:
+            return None
+        layout = self.config.passes_per_layer()
+        if isinstance(cache, IIETCache):
+            if cache.passes_per_layer != layout:
+                raise ValueError(
+                    f"cache holds passes {cache.passes_per_layer} per layer, the model runs {layout}: "
+                    "a cache cannot be reused after changing `iterations`"
+                )
+            return cache
+        if cache is None or cache.get_seq_length() == 0:
+            # generate() hands over a standard empty cache with one slot per layer; IIET needs
+            # one per (layer, pass), so start our own (generate reads it back from the output).
+            return IIETCache(layout)
+        raise ValueError(f"a non-empty {type(cache).__name__} cannot serve IIET: pass an IIETCache")
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        inputs_embeds=None,
+        use_cache=None,
+        **kwargs,
+    ):
+        if cache is None:
+            cache = kwargs.pop("past_key_values", None)
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache is None:
+            use_cache = self.config.use_cache and not self.training
+        cache = self._resolve_cache(cache, use_cache)
+
+        batch, query_len, _ = inputs_embeds.shape
+        past_len = cache.get_seq_length() if cache is not None else 0
+        device = inputs_embeds.device
+        if position_ids is None:
+            position_ids = default_position_ids(attention_mask, batch, query_len, past_len, device)
+        cos, sin = rope_tables(position_ids, self.config.hidden_size // self.config.num_attention_heads,
+                               self.config.rope_theta, inputs_embeds.dtype)
+        ctx = PassContext(cos, sin, build_attention_mask(attention_mask, query_len, past_len, device), cache)
+
+        step = select_step(self.config)
+        history = getattr(self, "history", None)
+        states = [inputs_embeds] if history is not None else None
+        x = inputs_embeds
+        for layer, iterations in zip(self.layers, self.config.iterations):
+            def run(u, pass_index, layer=layer):
+                return layer.block(u, pass_index, ctx)
+
+            x = step(run, x, layer=layer, history=history, states=states, model=self, iterations=iterations)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(x), **{_CACHE_FIELD: cache})
+
+
+class IIETForCausalLM(IIETPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = IIETModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        if cache is None:
+            cache = kwargs.pop("past_key_values", None)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+        )
+        hidden = out.last_hidden_state
+        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+            hidden = hidden[:, -logits_to_keep:]
+        elif isinstance(logits_to_keep, torch.Tensor):
+            hidden = hidden[:, logits_to_keep]
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            # Next-token loss: position t predicts labels[t + 1]; -100 is ignored.
+            loss = F.cross_entropy(
+                logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                labels[:, 1:].reshape(-1).to(logits.device),
+                ignore_index=-100,
+            )
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: getattr(out, _CACHE_FIELD)})
+
+
+IIETForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+__all__ = ["IIETCache", "IIETModel", "IIETForCausalLM", "IIETPreTrainedModel"]
