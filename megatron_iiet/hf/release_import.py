@@ -1,0 +1,246 @@
+"""Import a checkpoint in the IIET authors' released layout into this project's HF format.
+
+The release is a LLaMA folder (config.json is a LlamaConfig) whose state dict carries extra
+tensors: `model.history.*` for IIET, plus `model.alpha` and `model.RK_norm.*` for PCformer. Our
+HF names were chosen to equal the release's, so the tensor mapping is the identity; this module
+reads the folder (safetensors or pytorch_model.bin, sharded or not), detects the architecture,
+checks every tensor against the shapes our model expects and writes an exported folder (weights,
+config with auto_map, the two code files) atomically. The mapping is documented in docs/hf.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from .configuration_iiet import IIETConfig
+from .modeling_iiet import IIETForCausalLM
+
+
+class ReleaseImportError(ValueError):
+    """The source folder is not a usable release checkpoint, or the output cannot be written."""
+
+
+# Llama config keys we read, and the IIETConfig field each becomes (same names on purpose).
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_OPTIONAL_KEYS = {
+    "num_key_value_heads": None,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,  # LlamaConfig's default when the key is absent
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": None,
+}
+# Buffers some LLaMA checkpoints carry; our RoPE tables are recomputed from rope_theta.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Files copied unchanged so the imported folder keeps its tokenizer.
+_TOKENIZER_FILES = (
+    "tokenizer.model",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading the release folder
+# ----------------------------------------------------------------------------------------------
+def read_release_config(src: Path) -> dict:
+    path = src / "config.json"
+    if not src.is_dir():
+        raise ReleaseImportError(f"{src} is not a directory")
+    if not path.is_file():
+        raise ReleaseImportError(f"{src} is not a model folder: no config.json")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ReleaseImportError(f"{path} is not valid JSON: {err}") from err
+    missing = [k for k in _REQUIRED_KEYS if k not in config]
+    if missing:
+        raise ReleaseImportError(f"{path} is not a LlamaConfig: missing {', '.join(missing)}")
+    return config
+
+
+def _rope_theta(config: dict) -> float:
+    # transformers 5 nests RoPE settings in rope_parameters; older files have rope_theta/rope_scaling.
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if rope_type != "default":
+        raise ReleaseImportError(f"RoPE scaling {rope_type!r} is not supported (IIET uses plain RoPE)")
+    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def find_weight_files(src: Path) -> list[Path]:
+    """The weight files of the folder: sharded (via index json) or single, safetensors first."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index_path = src / index_name
+        if index_path.is_file():
+            weight_map = json.loads(index_path.read_text()).get("weight_map")
+            if not weight_map:
+                raise ReleaseImportError(f"{index_path} has no weight_map")
+            shards = sorted(set(weight_map.values()))
+            missing = [name for name in shards if not (src / name).is_file()]
+            if missing:
+                raise ReleaseImportError(f"{index_path} names shards that are missing: {', '.join(missing)}")
+            return [src / name for name in shards]
+    for single in ("model.safetensors", "pytorch_model.bin"):
+        if (src / single).is_file():
+            return [src / single]
+    raise ReleaseImportError(
+        f"{src} holds no weights: expected model.safetensors, pytorch_model.bin or a sharded index"
+    )
+
+
+def load_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            part = load_file(str(path))
+        else:
+            part = torch.load(path, map_location="cpu", weights_only=True)
+        duplicated = sorted(set(part) & set(tensors))
+        if duplicated:
+            raise ReleaseImportError(f"tensor {duplicated[0]} appears in more than one shard ({path.name})")
+        tensors.update(part)
+    return {k: v for k, v in tensors.items() if not k.endswith(_IGNORED_SUFFIXES)}
+
+
+def detect_architecture(names) -> str:
+    """pcformer_* if the PCformer scalars are present, iiet if only the history is, else vanilla."""
+    names = set(names)
+    rk_norms = {n.split(".")[2] for n in names if n.startswith("model.RK_norm.")}
+    if "model.alpha" in names or rk_norms:
+        if len(rk_norms) not in (2, 4):
+            raise ReleaseImportError(f"PCformer checkpoint with {len(rk_norms)} RK_norm stages (expected 2 or 4)")
+        return f"pcformer_rk{len(rk_norms)}"
+    if "model.history.weight" in names:
+        return "iiet"
+    return "vanilla"
+
+
+def build_config(release: dict, architecture: str, iterations=None) -> IIETConfig:
+    if iterations is not None and architecture != "iiet":
+        raise ReleaseImportError(f"iterations only apply to IIET; this checkpoint is {architecture}")
+    fields = {k: release[k] for k in _REQUIRED_KEYS}
+    fields.update({k: release.get(k, default) for k, default in _OPTIONAL_KEYS.items()})
+    try:
+        return IIETConfig(
+            **fields,
+            rope_theta=_rope_theta(release),
+            architecture=architecture,
+            formulation="history",  # the only form the release has (spec 5b)
+            iterations=iterations,
+        )
+    except ValueError as err:
+        raise ReleaseImportError(f"bad config: {err}") from err
+
+
+# ----------------------------------------------------------------------------------------------
+# Checking and assembling the model
+# ----------------------------------------------------------------------------------------------
+def check_tensors(tensors: dict[str, torch.Tensor], config: IIETConfig) -> dict[str, torch.Tensor]:
+    """Return the tensors our model loads; raise naming any missing, unexpected or misshapen one."""
+    with torch.device("meta"):
+        expected = {k: v.shape for k, v in IIETForCausalLM(config).state_dict().items()}
+    tensors = dict(tensors)
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+        head = tensors.pop("lm_head.weight", None)
+        embed = tensors.get("model.embed_tokens.weight")
+        if head is not None and embed is not None and not torch.equal(head, embed):
+            raise ReleaseImportError("tie_word_embeddings is true but lm_head.weight differs from the embedding")
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing:
+        raise ReleaseImportError(f"missing tensors for {config.architecture}: {', '.join(missing[:8])}")
+    if unexpected:
+        raise ReleaseImportError(f"unexpected tensors for {config.architecture}: {', '.join(unexpected[:8])}")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != tuple(shape):
+            raise ReleaseImportError(
+                f"tensor {name} has shape {tuple(tensors[name].shape)}, expected {tuple(shape)}"
+            )
+    return tensors
+
+
+def assemble_model(tensors: dict[str, torch.Tensor], config: IIETConfig, dtype=None) -> IIETForCausalLM:
+    dtype = dtype or tensors["model.embed_tokens.weight"].dtype
+    with torch.device("meta"):
+        model = IIETForCausalLM(config)
+    state = {k: v.to(dtype).contiguous() for k, v in tensors.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    meta = [n for n, p in model.state_dict().items() if p.is_meta]
+    if meta:
+        raise ReleaseImportError(f"tensors left unset after loading: {', '.join(meta[:8])}")
+    model.config.dtype = dtype
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing
+# ----------------------------------------------------------------------------------------------
+def write_atomically(dst: Path, force: bool, fill) -> Path:
+    """Fill a temp dir next to dst, then rename it into place; never leave a half-written dst."""
+    dst = Path(dst)
+    if dst.exists() and not force:
+        raise ReleaseImportError(f"{dst} exists; pass --force (force=True) to replace it")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        fill(tmp)
+        if dst.exists():
+            old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+            os.replace(dst, old)
+            os.replace(tmp, dst)
+            if old.is_dir():
+                shutil.rmtree(old)
+            else:
+                old.unlink()
+        else:
+            os.replace(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dst
+
+
+def import_release(src, dst, iterations=None, force=False, dtype=None, max_shard_size="5GB") -> Path:
+    """Convert the release folder `src` into an exported IIET folder `dst`; returns dst."""
+    src = Path(src)
+    release_config = read_release_config(src)
+    tensors = load_tensors(find_weight_files(src))
+    architecture = detect_architecture(tensors)
+    config = build_config(release_config, architecture, iterations)
+    model = assemble_model(check_tensors(tensors, config), config, dtype)
+
+    def fill(folder: Path):
+        model.save_pretrained(folder, max_shard_size=max_shard_size)
+        for name in _TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copy2(src / name, folder / name)
+
+    return write_atomically(Path(dst), force, fill)
+
+
+__all__ = [
+    "ReleaseImportError",
+    "build_config",
+    "check_tensors",
+    "detect_architecture",
+    "find_weight_files",
+    "import_release",
+    "load_tensors",
+    "read_release_config",
+]

@@ -1,0 +1,68 @@
+#!/usr/bin/env python
+"""Import an IIET/PCformer checkpoint in the authors' released layout into this project's HF format.
+
+    python tools/import_release.py RELEASE_DIR OUT_DIR [--iterations 3 | --iterations 3,2,1,0,...]
+                                   [--dtype float32|bfloat16|float16] [--force]
+
+RELEASE_DIR: a LLaMA-style folder (config.json + model.safetensors / pytorch_model.bin, sharded or
+not) with the extra history / PCformer tensors. The architecture (iiet history form, pcformer_rk2,
+pcformer_rk4, or vanilla for a plain LLaMA) is detected from the tensors present. OUT_DIR is
+written atomically and loads with AutoModelForCausalLM.from_pretrained(OUT_DIR,
+trust_remote_code=True). Name mapping: docs/hf.md.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from megatron_iiet.hf.release_import import ReleaseImportError, import_release  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_iterations(text):
+    """'3' -> 3 (every layer); '3,2,1,0' -> per-layer list (E-IIET plan)."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"iterations must be an int or a comma list of ints, got {text!r}")
+    return values[0] if len(values) == 1 else values
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("release_dir", type=Path)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--iterations", type=parse_iterations, default=None,
+                        help="IIET iterations per layer (default 3 each, as released)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="dtype of the written weights (default: that of the release's embedding)")
+    parser.add_argument("--max-shard-size", default="5GB")
+    parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        out = import_release(
+            args.release_dir,
+            args.out_dir,
+            iterations=args.iterations,
+            force=args.force,
+            dtype=DTYPES.get(args.dtype),
+            max_shard_size=args.max_shard_size,
+        )
+    except ReleaseImportError as err:
+        print(f"import_release: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
