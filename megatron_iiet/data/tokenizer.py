@@ -1,0 +1,188 @@
+"""One tokenizer interface for training, evaluation, preprocessing and checkpoint conversion.
+
+`Tokenizer.from_path` accepts a sentencepiece `.model` file or a Hugging Face tokenizer directory.
+Special ids are explicit attributes (`bos_id`, `eos_id`, `eod_id`, `pad_id`; None when the
+tokenizer has no such token). The end-of-document id is the EOS token: documents are
+concatenated as `doc EOD doc EOD ...`, the megatron GPT convention.
+
+`fingerprint` hashes the vocabulary (pieces in id order) and the special ids. It is stored next to
+every preprocessed dataset so data made with different vocabularies is never mixed; a
+sentencepiece model and the HF files exported from it share one fingerprint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from megatron_iiet.data.errors import DataInputError, TokenizerMismatchError
+
+
+def smallest_token_dtype(vocab_size: int) -> type[np.number]:
+    """The smallest unsigned/int dtype megatron's IndexedDataset can store that holds every id."""
+    if vocab_size <= 1 << 8:
+        return np.uint8
+    if vocab_size <= 1 << 16:
+        return np.uint16
+    if vocab_size <= 1 << 31:
+        return np.int32
+    return np.int64
+
+
+def check_dtype_fits(vocab_size: int, dtype: type[np.number], source: str) -> None:
+    """Raise if token ids up to vocab_size - 1 do not fit `dtype` (they would wrap silently)."""
+    limit = int(np.iinfo(dtype).max)
+    if vocab_size - 1 > limit:
+        raise TokenizerMismatchError(
+            f"{source}: vocabulary of {vocab_size} tokens does not fit dtype "
+            f"{np.dtype(dtype).name} (largest id {limit}); use a wider --dtype or leave it unset"
+        )
+
+
+class Tokenizer:
+    """Common interface; use `Tokenizer.from_path` to construct."""
+
+    path: str
+    bos_id: int | None
+    eos_id: int | None
+    eod_id: int | None
+    pad_id: int | None
+    unk_id: int | None
+
+    @staticmethod
+    def from_path(path: str | os.PathLike) -> "Tokenizer":
+        path = Path(path)
+        if path.is_file() and path.suffix == ".model":
+            return SentencePieceTokenizer(path)
+        if path.is_dir():
+            return HFTokenizer(path)
+        if not path.exists():
+            raise DataInputError(f"{path}: tokenizer not found (expected a .model file or a directory)")
+        raise DataInputError(
+            f"{path}: not a tokenizer (expected a sentencepiece .model file or an HF tokenizer directory)"
+        )
+
+    # -- interface ---------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(text) for text in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+    def pieces(self) -> list[str]:
+        """Every token's string form, in id order (used for the fingerprint)."""
+        raise NotImplementedError
+
+    # -- shared --------------------------------------------------------------------------------
+    @property
+    def fingerprint(self) -> str:
+        if getattr(self, "_fingerprint", None) is None:
+            payload = {
+                "pieces": self.pieces(),
+                "bos": self.bos_id,
+                "eos": self.eos_id,
+                "eod": self.eod_id,
+                "pad": self.pad_id,
+                "unk": self.unk_id,
+            }
+            blob = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+            self._fingerprint = "vocab-sha256:" + hashlib.sha256(blob).hexdigest()[:32]
+        return self._fingerprint
+
+    def describe(self) -> dict:
+        """What a dataset's meta.json records about the tokenizer."""
+        return {
+            "fingerprint": self.fingerprint,
+            "path": str(self.path),
+            "vocab_size": self.vocab_size,
+            "bos_id": self.bos_id,
+            "eos_id": self.eos_id,
+            "eod_id": self.eod_id,
+            "pad_id": self.pad_id,
+        }
+
+
+def _none_if_negative(value: int) -> int | None:
+    return None if value is None or value < 0 else int(value)
+
+
+class SentencePieceTokenizer(Tokenizer):
+    def __init__(self, model_path: str | os.PathLike) -> None:
+        import sentencepiece
+
+        self.path = str(model_path)
+        self._sp = sentencepiece.SentencePieceProcessor()
+        try:
+            self._sp.Load(self.path)
+        except (OSError, RuntimeError) as error:
+            raise DataInputError(f"{self.path}: not a readable sentencepiece model ({error})") from None
+        self.bos_id = _none_if_negative(self._sp.bos_id())
+        self.eos_id = _none_if_negative(self._sp.eos_id())
+        self.eod_id = self.eos_id
+        self.pad_id = _none_if_negative(self._sp.pad_id())
+        self.unk_id = _none_if_negative(self._sp.unk_id())
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._sp.vocab_size())
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text, out_type=int)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        # One call for the whole batch: the C++ side loops without the per-call Python overhead.
+        return self._sp.encode(list(texts), out_type=int, num_threads=1)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+    def pieces(self) -> list[str]:
+        return [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face tokenizer directory, loaded offline with AutoTokenizer."""
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        from transformers import AutoTokenizer
+
+        self.path = str(directory)
+        try:
+            self._tok = AutoTokenizer.from_pretrained(self.path)
+        except (OSError, ValueError) as error:
+            raise DataInputError(f"{self.path}: not a loadable HF tokenizer directory ({error})") from None
+        self.bos_id = self._tok.bos_token_id
+        self.eos_id = self._tok.eos_token_id
+        self.eod_id = self.eos_id
+        self.pad_id = self._tok.pad_token_id
+        self.unk_id = self._tok.unk_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok(text, add_special_tokens=False)["input_ids"]
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._tok(list(texts), add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def pieces(self) -> list[str]:
+        return self._tok.convert_ids_to_tokens(list(range(self.vocab_size)))

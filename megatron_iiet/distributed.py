@@ -1,0 +1,168 @@
+"""Process groups, seeds and teardown, from torchrun/SLURM environments or spawned locally.
+
+``initialize`` is what every entry point calls. ``spawn_local`` runs a function on N fresh local
+processes with gloo (tests and CPU benchmarks): fresh processes, because a gloo group forked
+inside a big parent (pytest) can deadlock, and a short group timeout so a stuck rank fails in
+seconds rather than half an hour.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_iiet.platform import cuda_available, install_cpu_compat
+
+
+def _env_int(*names: str, default: int) -> int:
+    for n in names:
+        if n in os.environ:
+            return int(os.environ[n])
+    return default
+
+
+def initialize(
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    seed: int = 1234,
+    timeout_s: float = 600.0,
+) -> None:
+    """Join the process group (torchrun or srun env vars), build megatron's groups, seed RNGs."""
+    install_cpu_compat()
+    from megatron.core import parallel_state, tensor_parallel as mp_tensor_parallel
+
+    if not dist.is_initialized():
+        rank = _env_int("RANK", "SLURM_PROCID", default=0)
+        world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        backend = "nccl" if cuda_available() else "gloo"
+        if cuda_available():
+            torch.cuda.set_device(_env_int("LOCAL_RANK", "SLURM_LOCALID", default=0))
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    world = dist.get_world_size()
+    if world % (tensor_parallel * pipeline_parallel) != 0:
+        raise ValueError(
+            f"tensor_parallel x pipeline_parallel ({tensor_parallel} x {pipeline_parallel}) does "
+            f"not divide the world size {world}"
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel)
+    seed_everything(seed)
+
+
+def seed_everything(seed: int) -> None:
+    """Seeds torch and megatron's TP-aware RNG streams (restarting them from scratch)."""
+    from megatron.core import tensor_parallel as mp_tensor_parallel
+
+    torch.manual_seed(seed)
+    mp_tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def teardown() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned_entry(rank, world, port, tp, pp, fn, kwargs, out_dir, timeout_s):
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    result: Any
+    try:
+        initialize(tp, pp, timeout_s=timeout_s)
+        result = ("ok", fn(**kwargs))
+    except BaseException as exc:  # report every failure to the parent, then fail the process
+        result = ("error", f"rank {rank}: {exc!r}\n{traceback.format_exc()}")
+    finally:
+        try:
+            teardown()
+        except Exception:
+            pass
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+def spawn_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    timeout_s: float = 600.0,
+    **kwargs,
+) -> list[Any]:
+    """Run ``fn(**kwargs)`` on ``world_size`` fresh gloo processes; returns each rank's result.
+
+    ``fn`` must be importable (module level). Raises RuntimeError with the failing rank's
+    traceback, or TimeoutError if a rank hangs past ``timeout_s``.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = [
+            ctx.Process(
+                target=_spawned_entry,
+                args=(r, world_size, port, tensor_parallel, pipeline_parallel, fn, kwargs,
+                      out_dir, min(timeout_s, 120.0)),
+            )
+            for r in range(world_size)
+        ]
+        env_threads = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            if env_threads is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = env_threads
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+        for p in procs:
+            remaining = (deadline - datetime.datetime.now()).total_seconds()
+            p.join(max(remaining, 0.1))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results = []
+        errors = []
+        for r in range(world_size):
+            path = os.path.join(out_dir, f"rank{r}.pkl")
+            if not os.path.exists(path):
+                errors.append(f"rank {r}: exited with code {procs[r].exitcode} without a result")
+                results.append(None)
+                continue
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                errors.append(value)
+            results.append(value)
+        if hung:
+            raise TimeoutError(f"ranks {hung} still running after {timeout_s:.0f}s; "
+                               + ("\n".join(errors) if errors else ""))
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return results

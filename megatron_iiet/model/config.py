@@ -1,0 +1,196 @@
+"""Model configuration: megatron-core's TransformerConfig plus what IIET and its baselines add."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_iiet.platform import cuda_available
+
+ARCHITECTURES = (
+    "vanilla",
+    "ode_rk2",
+    "ode_rk2_gated",
+    "ode_rk4",
+    "pcformer_rk2",
+    "pcformer_rk4",
+    "iiet",
+)
+FORMULATIONS = ("history", "fixed_point")
+ITERATION_CHECKPOINTING = ("none", "all_passes", "all_but_last_pass")
+
+
+def _init_normal(std: float):
+    def init_(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.nn.init.normal_(tensor, mean=0.0, std=std)
+
+    return init_
+
+
+@dataclass
+class IIETTransformerConfig(TransformerConfig):
+    """A megatron TransformerConfig that also says how each layer's block is iterated.
+
+    The block itself (pre-norm attention + SwiGLU MLP, RMSNorm, no biases) is configured through
+    the inherited fields; the defaults below are the spec's LLaMA-style block.
+    """
+
+    architecture: str = "iiet"
+    """One of ARCHITECTURES (spec sections 1-5)."""
+
+    formulation: str = "history"
+    """IIET only: "history" (the released form, spec 5b) or "fixed_point" (paper form, 5a)."""
+
+    iterations: Optional[list[int]] = None
+    """IIET only: fixed-point iterations per layer (E-IIET); None means `max_iterations` for all."""
+
+    max_iterations: int = 3
+    """IIET: r, the iterations the model was (or is being) trained with."""
+
+    iteration_checkpointing: str = "none"
+    """Per-pass activation checkpointing: none | all_passes | all_but_last_pass."""
+
+    history_norm_eps: float = 1e-5
+    """eps of the history LayerNorms (Np, Nc) and PCformer's stage norms."""
+
+    vocab_size: int = 32000
+    max_sequence_length: int = 2048
+    share_embeddings_and_output_weights: bool = True
+    rotary_base: int = 10000
+
+    # The spec's block; overriding megatron's GPT-2-era defaults.
+    normalization: str = "RMSNorm"
+    layernorm_epsilon: float = 1e-6
+    gated_linear_unit: bool = True
+    activation_func: callable = F.silu
+    add_bias_linear: bool = False
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    bias_activation_fusion: bool = False
+    bias_dropout_fusion: bool = False
+    masked_softmax_fusion: bool = False
+    apply_rope_fusion: bool = False
+    persist_layer_norm: bool = False
+    gradient_accumulation_fusion: bool = False
+    cross_entropy_loss_fusion: bool = False
+    use_cpu_initialization: bool = field(default_factory=lambda: not cuda_available())
+    # gloo has no use for the sync after batched p2p, and it needs CUDA.
+    batch_p2p_sync: bool = field(default_factory=cuda_available)
+
+    def __post_init__(self):
+        self._validate_iiet_fields()
+        if self.pipeline_dtype is None:
+            self.pipeline_dtype = self.params_dtype
+        if self.init_method is None:
+            self.init_method = _init_normal(self.init_method_std)
+        if self.output_layer_init_method is None:
+            # LLaMA-style: every matrix N(0, 0.02), no depth scaling (spec section 7).
+            self.output_layer_init_method = _init_normal(self.init_method_std)
+        super().__post_init__()
+        if self.sequence_parallel and not cuda_available():
+            raise ValueError(
+                "sequence_parallel: needs CUDA (megatron-core's torch-norm path refuses it on "
+                "CPU); set sequence_parallel=False here"
+            )
+
+    # ---- derived -------------------------------------------------------------------------
+    @property
+    def layer_iterations(self) -> list[int]:
+        """Iterations of every layer (0 for architectures that do not iterate)."""
+        if self.architecture != "iiet":
+            return [0] * self.num_layers
+        if self.iterations is None:
+            return [self.max_iterations] * self.num_layers
+        return list(self.iterations)
+
+    # ---- validation ----------------------------------------------------------------------
+    def _validate_iiet_fields(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(
+                f"architecture: unknown {self.architecture!r}; choose one of {', '.join(ARCHITECTURES)}"
+            )
+        if self.formulation not in FORMULATIONS:
+            raise ValueError(
+                f"formulation: unknown {self.formulation!r}; choose one of {', '.join(FORMULATIONS)}"
+            )
+        if self.max_iterations < 0:
+            raise ValueError(f"max_iterations: must be >= 0, got {self.max_iterations}")
+        if self.iterations is not None:
+            if self.architecture != "iiet":
+                raise ValueError(
+                    f"iterations: only the iiet architecture iterates, not {self.architecture!r}"
+                )
+            its = list(self.iterations)
+            if len(its) != self.num_layers:
+                raise ValueError(
+                    f"iterations: needs one entry per layer ({self.num_layers}), got {len(its)}"
+                )
+            bad = [i for i in its if not isinstance(i, int) or i < 0 or i > self.max_iterations]
+            if bad:
+                raise ValueError(
+                    f"iterations: each entry must be an int in 0..max_iterations "
+                    f"({self.max_iterations}); got {bad}"
+                )
+            self.iterations = its
+        if self.iteration_checkpointing not in ITERATION_CHECKPOINTING:
+            raise ValueError(
+                f"iteration_checkpointing: unknown {self.iteration_checkpointing!r}; choose one "
+                f"of {', '.join(ITERATION_CHECKPOINTING)}"
+            )
+        pp = self.pipeline_model_parallel_size
+        if pp > 1 and self.num_layers % pp != 0:
+            raise ValueError(
+                f"pipeline_model_parallel_size: {pp} does not divide num_layers ({self.num_layers})"
+            )
+        if self.iteration_checkpointing != "none":
+            if self.recompute_granularity == "selective":
+                raise ValueError(
+                    "iteration_checkpointing: cannot be combined with recompute_granularity="
+                    "'selective': the selected modules would be recomputed twice (once inside "
+                    "each recomputed pass); use one of the two"
+                )
+            if self.recompute_granularity == "full" and self.recompute_method == "uniform":
+                raise ValueError(
+                    "iteration_checkpointing: cannot be combined with recompute_granularity='full'"
+                    " and recompute_method='uniform', which recomputes every layer: its passes "
+                    "would be recomputed twice. Use recompute_method='block' (layers past "
+                    "recompute_num_layers then use per-pass checkpointing) or one of the two"
+                )
+
+    def replace(self, **changes) -> "IIETTransformerConfig":
+        """A copy with some fields changed (validated again)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        values.update(changes)
+        return IIETTransformerConfig(**values)
+
+
+# Spec section 7: name -> (hidden, layers, heads, FFN, tied embeddings)
+PRESET_SHAPES = {
+    "tiny": dict(hidden_size=64, num_layers=4, num_attention_heads=4, ffn_hidden_size=176,
+                 share_embeddings_and_output_weights=True, vocab_size=512, max_sequence_length=128),
+    "55m": dict(hidden_size=512, num_layers=12, num_attention_heads=4, ffn_hidden_size=1408,
+                share_embeddings_and_output_weights=True),
+    "340m": dict(hidden_size=1024, num_layers=24, num_attention_heads=8, ffn_hidden_size=2816,
+                 share_embeddings_and_output_weights=True),
+    "1.3b": dict(hidden_size=2048, num_layers=24, num_attention_heads=16, ffn_hidden_size=5432,
+                 share_embeddings_and_output_weights=False),
+}
+
+
+def preset(name: str, **overrides) -> IIETTransformerConfig:
+    """A config for one of the spec's model sizes, with any field overridden."""
+    if name not in PRESET_SHAPES:
+        raise ValueError(f"preset: unknown {name!r}; choose one of {', '.join(PRESET_SHAPES)}")
+    known = {f.name for f in dataclasses.fields(IIETTransformerConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"{unknown[0]}: not a field of IIETTransformerConfig")
+    values = dict(PRESET_SHAPES[name])
+    values.update(overrides)
+    return IIETTransformerConfig(**values)

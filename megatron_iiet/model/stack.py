@@ -1,0 +1,197 @@
+"""A pipeline stage's share of the decoder: ODE layers over megatron-core blocks.
+
+Each ``ODELayer`` wraps one megatron ``TransformerLayer`` (the block, built from a ModuleSpec, so
+tensor parallelism is megatron's own) and runs it the way its architecture says. The stack
+carries the layer input and the cross-layer history from layer to layer and across stage
+boundaries, and applies megatron-style layer-level recompute (``recompute_granularity='full'``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from torch import nn
+
+from megatron_iiet.model.architectures import Architecture, StepInputs, get_architecture
+from megatron_iiet.model.config import IIETTransformerConfig
+from megatron_iiet.model.history import (
+    LayerHistoryParams,
+    pack_stage_output,
+    slices_crossing_boundary,
+    unpack_stage_input,
+)
+from megatron_iiet.model.ode_step import PassRunner, checkpoint_with_rng_replay, checkpointed_passes
+
+
+class ODELayer(MegatronModule):
+    """One decoder layer: a block (weights shared by all its passes) plus what its scheme adds."""
+
+    def __init__(
+        self,
+        config: IIETTransformerConfig,
+        block_spec: ModuleSpec,
+        layer_number: int,
+        architecture: Architecture,
+    ):
+        super().__init__(config=config)
+        self.layer_number = layer_number  # 1-based, global
+        self.architecture = architecture
+        self.iterations = config.layer_iterations[layer_number - 1]
+        self.block = build_module(block_spec, config=config, layer_number=layer_number)
+        self.history = (
+            LayerHistoryParams(layer_number, config.hidden_size, config.history_norm_eps,
+                               config.params_dtype)
+            if architecture.uses_history
+            else None
+        )
+        self.gate = None
+        if architecture.gated:
+            self.gate = nn.Linear(2 * config.hidden_size, 1, bias=False, dtype=config.params_dtype)
+            config.init_method(self.gate.weight)
+
+    @property
+    def passes(self) -> int:
+        return self.architecture.passes(self.iterations)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        states: list[torch.Tensor],
+        shared: Optional[nn.Module],
+        block_kwargs: dict,
+        checkpoint_passes: bool = True,
+    ):
+        mode = self.config.iteration_checkpointing if checkpoint_passes else "none"
+        run = PassRunner(self.block, block_kwargs, checkpointed_passes(mode, self.passes))
+        out, new_states = self.architecture.step(
+            StepInputs(x=x, states=list(states), run=run, layer=self, shared=shared,
+                       iterations=self.iterations)
+        )
+        run.finish()
+        return out, new_states
+
+
+class PCformerShared(nn.Module):
+    """PCformer's model-wide predictor parameters: EMA coefficient a and one norm per stage.
+
+    With pipeline parallelism every stage holds a copy; their gradients are summed over the
+    pipeline group (``pipeline_shared`` marks them for ``finalize_model_grads``).
+    """
+
+    def __init__(self, stages: int, hidden_size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.full((1,), 0.5, dtype=dtype))
+        self.stage_norms = nn.ModuleList(
+            nn.LayerNorm(hidden_size, eps=eps, dtype=dtype) for _ in range(stages)
+        )
+        for p in self.parameters():
+            p.pipeline_shared = True
+
+
+class ODEStack(MegatronModule):
+    """The decoder layers of one pipeline stage (and the final norm on the last one)."""
+
+    def __init__(
+        self,
+        config: IIETTransformerConfig,
+        block_spec: ModuleSpec,
+        pre_process: bool,
+        post_process: bool,
+    ):
+        super().__init__(config=config)
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.architecture = get_architecture(config.architecture, config.formulation)
+        self.layer_offset = get_transformer_layer_offset(config)
+        num_layers = get_num_layers_to_build(config)
+        self.layers = nn.ModuleList(
+            ODELayer(config, block_spec, self.layer_offset + i + 1, self.architecture)
+            for i in range(num_layers)
+        )
+        self.shared = None
+        if self.architecture.pcformer_stages:
+            self.shared = PCformerShared(self.architecture.pcformer_stages, config.hidden_size,
+                                         config.history_norm_eps, config.params_dtype)
+        self.final_norm = None
+        if post_process:
+            self.final_norm = build_module(
+                block_spec.submodules.input_layernorm,
+                config=config,
+                hidden_size=config.hidden_size,
+                eps=config.layernorm_epsilon,
+            )
+        self.input_tensor: Optional[torch.Tensor] = None
+
+    # ---- pipeline boundary -----------------------------------------------------------------
+    def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
+        self.input_tensor = input_tensor
+
+    @property
+    def slices_received(self) -> int:
+        return slices_crossing_boundary(self.layer_offset + 1, self.architecture.uses_history)
+
+    @property
+    def slices_sent(self) -> int:
+        return slices_crossing_boundary(
+            self.layer_offset + len(self.layers) + 1, self.architecture.uses_history
+        )
+
+    # ---- layer-level recompute (megatron's recompute_granularity='full') -------------------
+    def _layers_recomputed_whole(self) -> list[list[int]]:
+        """Groups of local layer indices each recomputed as one unit."""
+        cfg = self.config
+        if cfg.recompute_granularity != "full":
+            return []
+        n = len(self.layers)
+        if cfg.recompute_method == "uniform":
+            k = cfg.recompute_num_layers
+            return [list(range(i, min(i + k, n))) for i in range(0, n, k)]
+        return [[i] for i in range(min(cfg.recompute_num_layers, n))]
+
+    def _run_layers(self, indices, x, states, block_kwargs, checkpoint_passes):
+        for i in indices:
+            x, states = self.layers[i](x, states, self.shared, block_kwargs, checkpoint_passes)
+        return x, states
+
+    def forward(
+        self,
+        hidden_states: Optional[torch.Tensor],
+        attention_mask: Optional[torch.Tensor] = None,
+        rotary_pos_emb: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        uses_history = self.architecture.uses_history
+        if self.pre_process:
+            x = hidden_states
+            states = [x] if uses_history else []
+        else:
+            packed = self.input_tensor
+            x, states = unpack_stage_input(
+                packed, packed.shape[0] // self.slices_received, uses_history
+            )
+        block_kwargs = {"attention_mask": attention_mask, "rotary_pos_emb": rotary_pos_emb}
+
+        whole = {i: group for group in self._layers_recomputed_whole() for i in group[:1]}
+        covered = {i for group in whole.values() for i in group}
+        i = 0
+        while i < len(self.layers):
+            if i in whole and torch.is_grad_enabled():
+                group = whole[i]
+
+                def run_group(x_, *states_, group=group):
+                    out, new = self._run_layers(group, x_, list(states_), block_kwargs, False)
+                    return (out, *new)
+
+                x, *states = checkpoint_with_rng_replay(run_group, x, *states)
+                i = group[-1] + 1
+            else:
+                x, states = self._run_layers([i], x, states, block_kwargs, i not in covered)
+                i += 1
+
+        if self.post_process:
+            return self.final_norm(x)
+        return pack_stage_output(x, states)

@@ -1,0 +1,154 @@
+"""megatron-core on machines without CUDA.
+
+megatron-core 0.16 assumes a GPU in a few places: its RNG tracker keeps CUDA generator states,
+about 175 call sites allocate on ``torch.cuda.current_device()``, the pipeline schedules build
+``torch.zeros(..., device="cuda")`` and p2p code calls ``torch.cuda.synchronize()``. This module
+answers those assumptions on the CPU so the same library code runs with gloo on a laptop or CI.
+
+Everything here is switched on by :func:`install_cpu_compat`, which does nothing when CUDA is
+available: on GPU clusters megatron-core runs unpatched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_INSTALLED = False
+
+# megatron-core modules that write device="cuda" literally (found with grep in 0.16.1).
+_MODULES_HARDCODING_CUDA = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.transformer.utils",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.rerun_state_machine",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.exchange_utils",
+)
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def compute_device() -> torch.device:
+    """The device model code should allocate on: the current GPU, or the CPU without one."""
+    if cuda_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _as_cpu_device(device):
+    if device is None:
+        return None
+    if isinstance(device, int) or str(device).startswith("cuda"):
+        return torch.device("cpu")
+    return device
+
+
+class _TorchWithCpuDevices:
+    """Stands in for the ``torch`` module inside megatron modules that hard-code ``"cuda"``.
+
+    Only factory functions are rerouted; every other attribute is torch's own.
+    """
+
+    _FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange", "empty_like", "zeros_like")
+
+    def __getattr__(self, name):
+        attr = getattr(torch, name)
+        if name in self._FACTORIES:
+
+            @functools.wraps(attr)
+            def factory(*args, **kwargs):
+                if "device" in kwargs:
+                    kwargs["device"] = _as_cpu_device(kwargs["device"])
+                return attr(*args, **kwargs)
+
+            return factory
+        return attr
+
+
+def _make_cpu_rng_tracker_class():
+    from megatron.core.tensor_parallel import random as mp_random
+
+    class CpuRNGStatesTracker(mp_random.CudaRNGStatesTracker):
+        """megatron's named RNG streams kept as CPU generator states.
+
+        ``fork(name)`` swaps the default CPU generator to the named stream and back, so
+        tensor-parallel dropout draws from a per-TP-rank stream exactly as on GPU, and activation
+        recompute can snapshot/restore the streams with ``get_states``/``set_states``.
+        """
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            outer = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+        @contextlib.contextmanager
+        def fork(self, name=mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outer)
+
+    return CpuRNGStatesTracker
+
+
+def install_cpu_compat() -> bool:
+    """Make megatron-core usable on the CPU. Returns True when the shim is active.
+
+    Idempotent; a no-op when CUDA is available.
+    """
+    global _INSTALLED
+    if cuda_available():
+        return False
+    if _INSTALLED:
+        return True
+
+    # Allocation sites ask for torch.cuda.current_device(): answer "cpu". Synchronising a
+    # device that does not exist is a no-op.
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+
+    # Moving a tensor "to the GPU" on a machine without one leaves it where it is.
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+
+    import importlib
+
+    from megatron.core.tensor_parallel import random as mp_random
+
+    cpu_torch = _TorchWithCpuDevices()
+    for name in _MODULES_HARDCODING_CUDA:
+        importlib.import_module(name).torch = cpu_torch
+
+    mp_random._CUDA_RNG_STATE_TRACKER = _make_cpu_rng_tracker_class()()
+    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # megatron's own activation checkpoint saves/restores the "cuda" generator next to the CPU
+    # one; without CUDA the tracker's CPU streams are all there is.
+    mp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    mp_random._set_cuda_rng_state = lambda *args, **kwargs: None
+
+    _INSTALLED = True
+    log.debug("megatron-core CPU compatibility layer installed")
+    return True
