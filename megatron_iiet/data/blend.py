@@ -1,0 +1,60 @@
+"""Validation of `weight prefix weight prefix ...` blends before megatron-core's
+BlendedMegatronDatasetBuilder reads them: every dataset exists and is intact, all were made with
+one tokenizer (fingerprint in each `<prefix>.meta.json`), and every weight is positive."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from megatron_iiet.data import indexed_io
+
+
+def _parse(spec: str | Sequence) -> list[str]:
+    if isinstance(spec, str):
+        return spec.split()
+    return [str(item) for item in spec]
+
+
+def validate_blend(spec: str | Sequence, expected_fingerprint: str | None = None) -> list[tuple[float, str]]:
+    """Parse and check a blend; returns [(weight, prefix), ...].
+
+    `spec` is a string or list: `"0.3 data/a 0.7 data/b"`, or a single prefix (weight 1).
+    Raises ValueError with a message naming the offending entry.
+    """
+    items = _parse(spec)
+    if not items:
+        raise ValueError("empty blend: give 'PREFIX' or 'WEIGHT PREFIX WEIGHT PREFIX ...'")
+    if len(items) == 1:
+        pairs = [("1", items[0])]
+    else:
+        if len(items) % 2:
+            raise ValueError(f"blend has {len(items)} items; expected WEIGHT PREFIX pairs: {' '.join(items)}")
+        pairs = list(zip(items[0::2], items[1::2]))
+    result: list[tuple[float, str]] = []
+    fingerprint_source: tuple[str, str] | None = None
+    if expected_fingerprint is not None:
+        fingerprint_source = (expected_fingerprint, "the expected tokenizer")
+    for weight_text, prefix in pairs:
+        try:
+            weight = float(weight_text)
+        except ValueError:
+            raise ValueError(f"blend weight {weight_text!r} (before {prefix}) is not a number") from None
+        if not math.isfinite(weight) or weight <= 0:
+            raise ValueError(f"blend weight {weight_text} for {prefix} must be positive")
+        missing = [str(p) for p in (indexed_io.bin_path(prefix), indexed_io.idx_path(prefix)) if not p.is_file()]
+        if missing:
+            raise ValueError(f"blend dataset {prefix}: missing {', '.join(missing)}")
+        info = indexed_io.verify_dataset(prefix)
+        if info.documents == 0:
+            raise ValueError(f"blend dataset {prefix} holds no documents")
+        fingerprint = indexed_io.read_meta(prefix)["tokenizer"]["fingerprint"]
+        if fingerprint_source is None:
+            fingerprint_source = (fingerprint, prefix)
+        elif fingerprint != fingerprint_source[0]:
+            raise ValueError(
+                f"blend dataset {prefix} was made with tokenizer {fingerprint}, but "
+                f"{fingerprint_source[1]} uses {fingerprint_source[0]}"
+            )
+        result.append((weight, prefix))
+    return result

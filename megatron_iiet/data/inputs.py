@@ -1,0 +1,211 @@
+"""Input resolution and streaming document reading.
+
+Inputs are files, globs, directories (searched recursively) or a built-in corpus name. Files are
+read one at a time through HF `datasets` in streaming mode, so memory does not grow with the
+input. Every document carries its position (file index, row within the file) so a resumed run
+can skip straight to where the last finished shard ended.
+
+Errors name the file and the record (line for jsonl/text, row for tables).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from megatron_iiet.data.corpus import builtin_corpus_files, is_builtin
+from megatron_iiet.data.errors import DataInputError
+
+# File suffix -> HF datasets builder. Compression suffixes are stripped first (HF decompresses).
+_BUILDERS = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".txt": "text",
+    ".text": "text",
+    ".parquet": "parquet",
+    ".csv": "csv",
+    ".arrow": "arrow",
+}
+_COMPRESSION = {".gz", ".bz2", ".xz", ".zst"}
+WHOLE_FILE = "whole-file"  # built-in corpus files: one document per file, read directly
+TEXT_UNITS = ("document", "paragraph", "line")
+
+
+@dataclass(frozen=True)
+class InputFile:
+    path: str
+    builder: str
+    size: int
+
+
+@dataclass(frozen=True)
+class ReaderConfig:
+    text_key: str = "text"
+    # How a .txt file splits into documents: the whole file, blank-line paragraphs, or lines.
+    text_unit: str = "document"
+
+
+@dataclass(frozen=True)
+class Document:
+    file_index: int
+    row: int  # 0-based row within the file
+    text: str | None  # None: the record had no text (null); counted as skipped
+
+
+def _builder_for(path: Path) -> str | None:
+    suffixes = [s.lower() for s in path.suffixes]
+    while suffixes and suffixes[-1] in _COMPRESSION:
+        suffixes.pop()
+    return _BUILDERS.get(suffixes[-1]) if suffixes else None
+
+
+def _input_file(path: Path, spec: str) -> InputFile:
+    builder = _builder_for(path)
+    if builder is None:
+        known = ", ".join(sorted(_BUILDERS))
+        raise DataInputError(f"{path}: unsupported file type (from input {spec!r}; known: {known})")
+    size = path.stat().st_size
+    if size == 0:
+        raise DataInputError(f"{path}: file is empty (from input {spec!r}); remove it or fix the input list")
+    return InputFile(str(path), builder, size)
+
+
+def resolve_inputs(specs: list[str]) -> list[InputFile]:
+    """Expand files, globs, directories and `builtin:` names into an ordered file list."""
+    if not specs:
+        raise DataInputError("no input given (pass files, globs, directories or builtin:python-stdlib)")
+    files: list[InputFile] = []
+    for spec in specs:
+        if is_builtin(spec):
+            files.extend(InputFile(f.path, WHOLE_FILE, f.size) for f in builtin_corpus_files(spec))
+            continue
+        path = Path(spec)
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file() and _builder_for(p))
+            if not found:
+                raise DataInputError(f"{spec}: directory holds no readable data files")
+            files.extend(_input_file(p, spec) for p in found)
+        elif path.is_file():
+            files.append(_input_file(path, spec))
+        elif glob.has_magic(spec):
+            matches = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+            if not matches:
+                raise DataInputError(f"{spec}: pattern matches no files")
+            files.extend(_input_file(p, spec) for p in matches)
+        else:
+            raise DataInputError(f"{spec}: no such file or directory")
+    return files
+
+
+def inputs_signature(files: list[InputFile]) -> list[list]:
+    """What identifies the input of a run (a resume refuses a changed input)."""
+    return [[os.path.abspath(f.path), f.size] for f in files]
+
+
+def _record_word(builder: str) -> str:
+    return "line" if builder in ("json", "text") else "row"
+
+
+def _first_bad_utf8_line(path: str) -> tuple[int, str] | None:
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                return number, str(error)
+    return None
+
+
+def _first_bad_json_line(path: str) -> tuple[int, str] | None:
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            try:
+                json.loads(raw)
+            except ValueError as error:
+                return number, str(error)
+    return None
+
+
+def _explain_read_error(input_file: InputFile, row: int, error: Exception) -> DataInputError:
+    """Turn a reader exception into an error naming the file and the offending line."""
+    path = input_file.path
+    if isinstance(error, UnicodeDecodeError) or "utf-8" in str(error).lower() or "encoding" in str(error).lower():
+        found = _first_bad_utf8_line(path)
+        if found:
+            return DataInputError(f"{path}: line {found[0]}: invalid UTF-8 ({found[1]})")
+    if input_file.builder == "json":
+        found = _first_bad_json_line(path)
+        if found:
+            return DataInputError(f"{path}: line {found[0]}: invalid JSON ({found[1]})")
+    word = _record_word(input_file.builder)
+    return DataInputError(f"{path}: {word} {row + 1}: cannot read ({type(error).__name__}: {error})")
+
+
+def _hf_rows(input_file: InputFile, config: ReaderConfig, start_row: int):
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    kwargs = {}
+    if input_file.builder == "text":
+        kwargs["sample_by"] = config.text_unit
+        kwargs["keep_linebreaks"] = True
+    dataset = datasets.load_dataset(
+        input_file.builder, data_files=[input_file.path], split="train", streaming=True, **kwargs
+    )
+    if start_row:
+        dataset = dataset.skip(start_row)
+    return iter(dataset)
+
+
+def iter_file_documents(input_file: InputFile, file_index: int, config: ReaderConfig, start_row: int = 0) -> Iterator[Document]:
+    if input_file.builder == WHOLE_FILE:
+        if start_row == 0:
+            try:
+                text = Path(input_file.path).read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                found = _first_bad_utf8_line(input_file.path)
+                line = found[0] if found else "?"
+                raise DataInputError(f"{input_file.path}: line {line}: invalid UTF-8") from None
+            yield Document(file_index, 0, text)
+        return
+    row = start_row
+    try:
+        rows = _hf_rows(input_file, config, start_row)
+    except Exception as error:  # noqa: BLE001 - every reader failure becomes a located error
+        raise _explain_read_error(input_file, row, error) from None
+    key = config.text_key
+    while True:
+        try:
+            record = next(rows)
+        except StopIteration:
+            return
+        except Exception as error:  # noqa: BLE001
+            raise _explain_read_error(input_file, row, error) from None
+        if key not in record:
+            fields = ", ".join(sorted(record)) or "none"
+            raise DataInputError(
+                f"{input_file.path}: {_record_word(input_file.builder)} {row + 1}: no field {key!r} "
+                f"(fields: {fields}); choose the text field with --text-key"
+            )
+        text = record[key]
+        if text is not None and not isinstance(text, str):
+            raise DataInputError(
+                f"{input_file.path}: {_record_word(input_file.builder)} {row + 1}: field {key!r} holds "
+                f"{type(text).__name__}, not text"
+            )
+        yield Document(file_index, row, text)
+        row += 1
+
+
+def iter_documents(files: list[InputFile], config: ReaderConfig, start_file: int = 0, start_row: int = 0) -> Iterator[Document]:
+    """All documents of all files, in order, starting at (start_file, start_row)."""
+    for index in range(start_file, len(files)):
+        yield from iter_file_documents(files[index], index, config, start_row if index == start_file else 0)

@@ -1,0 +1,351 @@
+"""Streaming, sharded, resumable preprocessing of raw text into megatron-core indexed datasets.
+
+Pipeline: the main process reads documents one file at a time (HF datasets, streaming), groups
+them into batches and hands them to worker processes that tokenize and append EOD; results come
+back in order and are written straight to the current shard. At most `2 * workers + 2` batches
+are in flight, so memory is bounded by the batch size, not by the input (unlike a pool `imap`,
+which reads its whole input ahead).
+
+Shards (`--shard-size` tokens) close after the document that fills them, so shard boundaries
+depend only on the input and tokenizer. Each finished shard records where in the input it ended;
+a re-run with the same arguments keeps the finished shards, discards a half-written one and
+continues from there, giving the same bytes as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from megatron_iiet.data import indexed_io
+from megatron_iiet.data.errors import DataInputError, TokenizerMismatchError
+from megatron_iiet.data.inputs import TEXT_UNITS, Document, ReaderConfig, iter_documents, inputs_signature, resolve_inputs
+from megatron_iiet.data.tokenizer import Tokenizer, check_dtype_fits, smallest_token_dtype
+
+
+@dataclass(frozen=True)
+class PreprocessConfig:
+    inputs: tuple[str, ...]
+    tokenizer: str
+    output_prefix: str
+    text_key: str = "text"
+    text_unit: str = "document"
+    workers: int = 1  # 0 tokenizes in the main process
+    shard_size: int | None = None  # tokens per shard; None writes one dataset
+    merge: bool = False  # after sharding, merge all shards into `output_prefix`
+    keep_shards: bool = False  # keep the shards after a merge
+    dtype: str | None = None  # None: smallest dtype that holds the vocabulary
+    append_eod: bool = True
+    batch_documents: int = 512
+    batch_chars: int = 1 << 20  # also close a batch at this much text, whatever the count
+    overwrite: bool = False  # replace output of a run with different arguments
+    progress: bool = True
+
+
+@dataclass
+class PreprocessSummary:
+    documents: int = 0  # written
+    tokens: int = 0
+    empty_documents: int = 0  # "" texts, not written
+    skipped_documents: int = 0  # null texts, not written
+    input_bytes: int = 0  # UTF-8 bytes of text tokenized in this run
+    seconds: float = 0.0
+    resumed_shards: int = 0
+    outputs: list[str] = field(default_factory=list)
+    already_complete: bool = False
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---- worker side -------------------------------------------------------------------------------
+_WORKER_TOKENIZER: Tokenizer | None = None
+_WORKER_DTYPE: str = "int32"
+_WORKER_EOD: int | None = None
+
+
+def _init_worker(tokenizer_path: str, dtype_name: str, eod_id: int | None) -> None:
+    global _WORKER_TOKENIZER, _WORKER_DTYPE, _WORKER_EOD
+    _WORKER_TOKENIZER = Tokenizer.from_path(tokenizer_path)
+    _WORKER_DTYPE, _WORKER_EOD = dtype_name, eod_id
+
+
+def _tokenize_batch(texts: list[str | None]) -> tuple[np.ndarray, np.ndarray, int]:
+    """Tokens of the non-empty texts (each followed by EOD) flattened, every text's token count
+    (0 for empty/null texts, which are dropped) and the UTF-8 bytes read."""
+    keep = [i for i, text in enumerate(texts) if text]
+    encoded = _WORKER_TOKENIZER.encode_batch([texts[i] for i in keep]) if keep else []
+    eod = [] if _WORKER_EOD is None else [_WORKER_EOD]
+    lengths = np.zeros(len(texts), dtype=np.int64)
+    for position, ids in zip(keep, encoded):
+        lengths[position] = len(ids) + len(eod)
+    total = int(lengths.sum())
+    flat = np.fromiter(
+        itertools.chain.from_iterable(itertools.chain(ids, eod) for ids in encoded), dtype=_WORKER_DTYPE, count=total
+    )
+    read_bytes = sum(len(text.encode("utf-8")) for text in texts if text)
+    return flat, lengths, read_bytes
+
+
+# ---- main side -----------------------------------------------------------------------------------
+def shard_prefix(output_prefix: str, index: int) -> str:
+    return f"{output_prefix}_shard{index:05d}"
+
+
+def _run_signature(config: PreprocessConfig, files, tokenizer: Tokenizer, dtype_name: str) -> dict:
+    return {
+        "inputs": inputs_signature(files),
+        "text_key": config.text_key,
+        "text_unit": config.text_unit,
+        "append_eod": config.append_eod,
+        "shard_size": config.shard_size,
+        "dtype": dtype_name,
+        "tokenizer_fingerprint": tokenizer.fingerprint,
+    }
+
+
+def _check_output_directory(config: PreprocessConfig, tokenizer: Tokenizer, signature: dict) -> None:
+    """Refuse a directory holding another tokenizer's data, or this prefix from another run."""
+    prefix = Path(config.output_prefix)
+    directory = prefix.parent
+    if not directory.is_dir():
+        return
+    for meta_file in sorted(directory.glob("*.meta.json")):
+        try:
+            meta = indexed_io.read_meta(str(meta_file)[: -len(".meta.json")])
+        except ValueError:
+            continue  # not one of ours; leave it alone
+        fingerprint = meta.get("tokenizer", {}).get("fingerprint")
+        if fingerprint != tokenizer.fingerprint:
+            raise TokenizerMismatchError(
+                f"{meta_file}: output directory {directory} already holds data made with another tokenizer "
+                f"({fingerprint} vs {tokenizer.fingerprint}); use another output directory"
+            )
+        belongs_here = meta_file.name.startswith(prefix.name + ".") or meta_file.name.startswith(prefix.name + "_shard")
+        if belongs_here and meta.get("run") != signature and not config.overwrite:
+            changed = sorted(k for k in signature if (meta.get("run") or {}).get(k) != signature[k])
+            raise DataInputError(
+                f"{meta_file}: {prefix} holds output of a run with different arguments (differs in: "
+                f"{', '.join(changed) or 'format'}); choose another --output-prefix or pass --overwrite"
+            )
+
+
+def _remove_prefix_outputs(output_prefix: str) -> None:
+    indexed_io.remove_dataset(output_prefix)
+    prefix = Path(output_prefix)
+    for path in prefix.parent.glob(prefix.name + "_shard*"):
+        path.unlink()
+
+
+def _finished_shards(config: PreprocessConfig, signature: dict) -> list[dict]:
+    """Metas of the leading run of complete, intact shards; later shard files are removed."""
+    finished: list[dict] = []
+    index = 0
+    while True:
+        prefix = shard_prefix(config.output_prefix, index)
+        if not indexed_io.meta_path(prefix).exists():
+            break
+        try:
+            indexed_io.verify_dataset(prefix)
+            meta = indexed_io.read_meta(prefix)
+        except ValueError:
+            break
+        if meta.get("run") != signature:
+            break
+        finished.append(meta)
+        index += 1
+    # Whatever follows (a shard cut off by a kill, or stale later shards) is redone.
+    stale_index = index
+    while any(Path(p).exists() or indexed_io.temp_path_for(p).exists() for p in indexed_io.dataset_files(shard_prefix(config.output_prefix, stale_index))):
+        indexed_io.remove_dataset(shard_prefix(config.output_prefix, stale_index))
+        stale_index += 1
+    indexed_io.remove_dataset(shard_prefix(config.output_prefix, index))
+    return finished
+
+
+def _batches(documents: Iterator[Document], config: PreprocessConfig):
+    batch: list[Document] = []
+    chars = 0
+    for document in documents:
+        batch.append(document)
+        chars += len(document.text or "")
+        if len(batch) >= config.batch_documents or chars >= config.batch_chars:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+class _OrderedTokenizer:
+    """Tokenize batches in worker processes, results in input order, bounded read-ahead."""
+
+    def __init__(self, config: PreprocessConfig, dtype_name: str, eod_id: int | None) -> None:
+        self.workers = config.workers
+        init_args = (config.tokenizer, dtype_name, eod_id)
+        if self.workers > 0:
+            context = multiprocessing.get_context("spawn")  # no fork of a process holding arrow threads
+            self.pool = context.Pool(self.workers, initializer=_init_worker, initargs=init_args)
+        else:
+            self.pool = None
+            _init_worker(*init_args)
+
+    def map(self, batches):
+        if self.pool is None:
+            for batch in batches:
+                yield batch, _tokenize_batch([d.text for d in batch])
+            return
+        pending: deque = deque()
+        limit = 2 * self.workers + 2
+        for batch in batches:
+            pending.append((batch, self.pool.apply_async(_tokenize_batch, ([d.text for d in batch],))))
+            if len(pending) >= limit:
+                done_batch, result = pending.popleft()
+                yield done_batch, result.get()
+        while pending:
+            done_batch, result = pending.popleft()
+            yield done_batch, result.get()
+
+    def close(self, terminate: bool = False) -> None:
+        if self.pool is not None:
+            (self.pool.terminate if terminate else self.pool.close)()
+            self.pool.join()
+
+
+def _progress_bar(config: PreprocessConfig, total_bytes: int, initial: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total_bytes, initial=initial, unit="B", unit_scale=True, unit_divisor=1024,
+                desc="preprocess", disable=not config.progress, dynamic_ncols=True, smoothing=0.1)
+
+
+def run_preprocess(config: PreprocessConfig) -> PreprocessSummary:
+    """Preprocess `config.inputs` into indexed dataset(s); see the module docstring."""
+    started = time.perf_counter()
+    if config.text_unit not in TEXT_UNITS:
+        raise DataInputError(f"--text-unit {config.text_unit!r}: choose one of {', '.join(TEXT_UNITS)}")
+    if config.shard_size is not None and config.shard_size <= 0:
+        raise DataInputError(f"--shard-size must be positive, got {config.shard_size}")
+    tokenizer = Tokenizer.from_path(config.tokenizer)
+    files = resolve_inputs(list(config.inputs))
+    dtype = np.dtype(config.dtype).type if config.dtype else smallest_token_dtype(tokenizer.vocab_size)
+    check_dtype_fits(tokenizer.vocab_size, dtype, config.tokenizer)
+    dtype_name = np.dtype(dtype).name
+    if dtype_name not in indexed_io.DTYPE_CODES:
+        raise DataInputError(f"--dtype {dtype_name}: not storable in an indexed dataset")
+    eod_id = tokenizer.eod_id if config.append_eod else None
+    if config.append_eod and eod_id is None:
+        raise DataInputError(f"{config.tokenizer}: tokenizer has no EOS/EOD token; pass --no-eod or use another tokenizer")
+    signature = _run_signature(config, files, tokenizer, dtype_name)
+    _check_output_directory(config, tokenizer, signature)
+    summary = PreprocessSummary()
+    final_prefix = config.output_prefix
+    sharded = config.shard_size is not None
+    if config.overwrite:
+        _remove_prefix_outputs(config.output_prefix)
+    if (not sharded or config.merge) and indexed_io.meta_path(final_prefix).exists():
+        meta = indexed_io.read_meta(final_prefix)
+        if meta.get("run") == signature:
+            indexed_io.verify_dataset(final_prefix)
+            summary.already_complete = True
+            summary.documents, summary.tokens = meta["documents"], meta["tokens"]
+            summary.outputs = [final_prefix]
+            summary.seconds = time.perf_counter() - started
+            return summary
+
+    finished = _finished_shards(config, signature) if sharded else []
+    if not sharded:
+        indexed_io.remove_dataset(final_prefix)  # leftovers of an interrupted unsharded run
+    start_file, start_row = (finished[-1]["input_end"] if finished else (0, 0))
+    for meta in finished:
+        summary.documents += meta["documents"]
+        summary.tokens += meta["tokens"]
+        summary.empty_documents += meta["stats"]["empty_documents"]
+        summary.skipped_documents += meta["stats"]["skipped_documents"]
+    summary.resumed_shards = len(finished)
+    shard_index = len(finished)
+    outputs = [shard_prefix(config.output_prefix, i) for i in range(shard_index)]
+    meta_common = {"tokenizer": tokenizer.describe(), "run": signature}
+
+    def open_writer():
+        prefix = shard_prefix(config.output_prefix, shard_index) if sharded else final_prefix
+        return indexed_io.IndexedDatasetWriter(prefix, dtype)
+
+    reader_config = ReaderConfig(text_key=config.text_key, text_unit=config.text_unit)
+    documents = iter_documents(files, reader_config, start_file, start_row)
+    engine = _OrderedTokenizer(config, dtype_name, eod_id)
+    bar = _progress_bar(config, sum(f.size for f in files), sum(f.size for f in files[:start_file]))
+    writer = open_writer()
+    shard_stats = {"empty_documents": 0, "skipped_documents": 0}
+    run_docs = run_tokens = 0
+    try:
+        for batch, (flat, lengths, read_bytes) in engine.map(_batches(documents, config)):
+            offsets = np.concatenate(([0], np.cumsum(lengths)))
+            first = 0
+            while first < len(batch):
+                last = len(batch)
+                if sharded:
+                    room = config.shard_size - writer.tokens
+                    filled = np.nonzero(offsets[first + 1:] - offsets[first] >= room)[0]
+                    if filled.size:
+                        last = first + int(filled[0]) + 1  # the document that fills the shard
+                kept = lengths[first:last] > 0
+                writer.add_documents(flat[offsets[first]:offsets[last]], lengths[first:last][kept])
+                for document in batch[first:last]:
+                    if document.text is None:
+                        shard_stats["skipped_documents"] += 1
+                    elif document.text == "":
+                        shard_stats["empty_documents"] += 1
+                if sharded and writer.tokens >= config.shard_size:
+                    end = batch[last - 1]
+                    outputs.append(writer.prefix)
+                    summary.documents += writer.documents
+                    summary.tokens += writer.tokens
+                    writer.finalize({**meta_common, "input_end": [end.file_index, end.row + 1], "stats": dict(shard_stats)})
+                    summary.empty_documents += shard_stats["empty_documents"]
+                    summary.skipped_documents += shard_stats["skipped_documents"]
+                    shard_stats = {"empty_documents": 0, "skipped_documents": 0}
+                    shard_index += 1
+                    writer = open_writer()
+                first = last
+            run_docs += int((lengths > 0).sum())
+            run_tokens += int(lengths.sum())
+            summary.input_bytes += read_bytes
+            bar.update(read_bytes)
+            elapsed = max(time.perf_counter() - started, 1e-9)
+            bar.set_postfix_str(f"{run_docs / elapsed:,.0f} docs/s, {run_tokens / elapsed:,.0f} tok/s", refresh=False)
+        if writer.documents or not sharded or shard_index == 0 or shard_stats != {"empty_documents": 0, "skipped_documents": 0}:
+            outputs.append(writer.prefix)
+            summary.documents += writer.documents
+            summary.tokens += writer.tokens
+            summary.empty_documents += shard_stats["empty_documents"]
+            summary.skipped_documents += shard_stats["skipped_documents"]
+            end = [len(files), 0]
+            writer.finalize({**meta_common, "input_end": end, "stats": dict(shard_stats)})
+        else:
+            writer.abort()
+        engine.close()
+    except BaseException:
+        writer.abort()
+        engine.close(terminate=True)
+        raise
+    finally:
+        bar.close()
+
+    if sharded and config.merge:
+        stats = {"empty_documents": summary.empty_documents, "skipped_documents": summary.skipped_documents}
+        indexed_io.merge_datasets(outputs, final_prefix, {"run": signature, "input_end": [len(files), 0], "stats": stats})
+        if not config.keep_shards:
+            for prefix in outputs:
+                indexed_io.remove_dataset(prefix)
+        outputs = [final_prefix]
+    summary.outputs = outputs
+    summary.seconds = time.perf_counter() - started
+    return summary

@@ -1,0 +1,30 @@
+#!/usr/bin/env python
+"""Merge indexed datasets made with one tokenizer into one, streaming (bounded memory).
+
+Example:
+  python tools/merge_datasets.py --input out/data/corpus_shard00000 out/data/corpus_shard00001 --output-prefix out/data/all
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import _cli
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", nargs="+", required=True, help="dataset prefixes, in order")
+    parser.add_argument("--output-prefix", required=True)
+    args = parser.parse_args(argv)
+    from megatron_iiet.data.indexed_io import merge_datasets
+
+    try:
+        meta = merge_datasets(args.input, args.output_prefix)
+    except ValueError as error:
+        _cli.fail(error)
+    print(f"merged {len(args.input)} datasets into {args.output_prefix}: {meta['documents']:,} documents, {meta['tokens']:,} tokens")
+
+
+if __name__ == "__main__":
+    main()
