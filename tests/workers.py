@@ -73,3 +73,134 @@ def loss_and_grads(variants, **overrides):
             "grads": gather_full(model, grads_of(model)),
         }
     return results
+
+
+def checkpointing_matches(variants, modes):
+    """Per (variant, mode): are loss and every gradient bitwise equal to no checkpointing?
+
+    Dropout is on (hidden and attention), so recompute must replay the same masks.
+    """
+    from megatron_iiet.distributed import seed_everything
+    from megatron_iiet.model.pipeline import forward_backward
+    from megatron_iiet.model.sharding import grads_of
+
+    def run(variant, **overrides):
+        seed_everything(99)
+        model = build_tiny(variant, hidden_dropout=0.1, attention_dropout=0.1, **overrides)
+        seed_everything(5)
+        losses = forward_backward(model, micro_batches())
+        return losses, {k: v.clone() for k, v in grads_of(model).items()}
+
+    out = {}
+    for variant in variants:
+        ref_losses, ref_grads = run(variant)
+        for name, overrides in modes.items():
+            losses, grads = run(variant, **overrides)
+            mismatched = [k for k in ref_grads if not torch.equal(ref_grads[k], grads[k])]
+            out[(variant_id(variant), name)] = {
+                "losses_equal": losses == ref_losses,
+                "mismatched_grads": mismatched,
+                "dropout_active": ref_losses != run_without_dropout(variant),
+            }
+    return out
+
+
+def run_without_dropout(variant):
+    from megatron_iiet.distributed import seed_everything
+    from megatron_iiet.model.pipeline import forward_backward
+
+    seed_everything(99)
+    model = build_tiny(variant)
+    seed_everything(5)
+    return forward_backward(model, micro_batches(), forward_only=True)
+
+
+def spec_equivalence(seq: int = 16, batch: int = 2):
+    """Hidden states of the model's decoder vs direct implementations of the spec formulas.
+
+    Returns max abs differences: IIET history form with one-hot W/Wc and identity Np/Nc vs
+    repeated application of each layer's block; the fixed_point form vs the loop
+    ``y_0 = x + F(x); y_i = x + F(y_{i-1})`` written here in plain PyTorch.
+    """
+    from megatron_iiet.distributed import seed_everything
+
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.randn(seq, batch, 64, generator=g)
+    out = {}
+
+    def rope_for(model):
+        return model.rotary_pos_emb(seq)
+
+    # --- history form reduced to repeated block application
+    seed_everything(1)
+    model = build_tiny(("iiet", "history", [3, 0, 2, 1]))
+    with torch.no_grad():
+        for layer in model.decoder.layers:
+            h = layer.history
+            onehot = torch.zeros_like(h.pop_weight)
+            onehot[-1] = 1.0
+            h.pop_weight.copy_(onehot)
+            h.refine_weight.copy_(onehot)
+            h.predictor_norm = torch.nn.Identity()
+            h.corrector_norm = torch.nn.Identity()
+        rope = rope_for(model)
+        model.decoder.final_norm = torch.nn.Identity()
+        got = model.decoder(x0, rotary_pos_emb=rope)
+        want = x0
+        for layer in model.decoder.layers:
+            for _ in range(layer.iterations + 1):
+                want, _ = layer.block(want, attention_mask=None, rotary_pos_emb=rope)
+        out["history_onehot_vs_repeated_block"] = (got - want).abs().max().item()
+        out["history_onehot_scale"] = want.abs().max().item()
+
+    # --- fixed-point form vs the direct loop
+    seed_everything(1)
+    model = build_tiny(("iiet", "fixed_point", [3, 0, 2, 1]))
+    with torch.no_grad():
+        rope = rope_for(model)
+        model.decoder.final_norm = torch.nn.Identity()
+        got = model.decoder(x0, rotary_pos_emb=rope)
+        x = x0
+        for layer in model.decoder.layers:
+            def F(u, block=layer.block):
+                return block(u, attention_mask=None, rotary_pos_emb=rope)[0] - u
+            y = x + F(x)
+            for _ in range(layer.iterations):
+                y = x + F(y)
+            x = y
+        out["fixed_point_vs_direct_loop"] = (got - x).abs().max().item()
+        out["fixed_point_scale"] = x.abs().max().item()
+    return out
+
+
+def flops_against_counter(variants, batch: int = 2, seq: int = 32):
+    """Analytic forward FLOPs vs torch's FlopCounterMode on a real forward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_iiet.model.flops import step_flops
+
+    out = {}
+    for variant in variants:
+        model = build_tiny(variant)
+        ids = micro_batches(1, batch, seq)[0]["input_ids"]
+        counter = FlopCounterMode(display=False)
+        with torch.no_grad(), counter:
+            model(ids)
+        out[variant_id(variant)] = (counter.get_total_flops(),
+                                    step_flops(model.config, batch, seq).forward)
+    return out
+
+
+def preset_parameter_counts(names):
+    """Parameters of each preset's model as built (on the meta device: nothing allocated)."""
+    from megatron_iiet.model.config import preset
+    from megatron_iiet.model.gpt import IIETModel
+
+    counts = {}
+    for name in names:
+        for arch in ("vanilla", "iiet"):
+            cfg = preset(name, architecture=arch, perform_initialization=False)
+            with torch.device("meta"):
+                model = IIETModel(cfg)
+            counts[(name, arch)] = sum(p.numel() for p in model.parameters())
+    return counts
