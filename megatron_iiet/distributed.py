@@ -83,8 +83,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawned_entry(rank, world, port, tp, pp, fn, kwargs, out_dir, timeout_s):
-    torch.set_num_threads(1)
+def _spawned_entry(rank, world, port, tp, pp, fn, kwargs, out_dir, timeout_s, threads):
+    torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     result: Any
@@ -108,6 +108,7 @@ def spawn_local(
     tensor_parallel: int = 1,
     pipeline_parallel: int = 1,
     timeout_s: float = 600.0,
+    threads_per_rank: int = 1,
     **kwargs,
 ) -> list[Any]:
     """Run ``fn(**kwargs)`` on ``world_size`` fresh gloo processes; returns each rank's result.
@@ -124,12 +125,12 @@ def spawn_local(
             ctx.Process(
                 target=_spawned_entry,
                 args=(r, world_size, port, tensor_parallel, pipeline_parallel, fn, kwargs,
-                      out_dir, min(timeout_s, 120.0)),
+                      out_dir, min(timeout_s, 120.0), threads_per_rank),
             )
             for r in range(world_size)
         ]
         env_threads = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = "1"
+        os.environ["OMP_NUM_THREADS"] = str(threads_per_rank)
         try:
             for p in procs:
                 p.start()

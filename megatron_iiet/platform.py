@@ -149,6 +149,22 @@ def install_cpu_compat() -> bool:
     mp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
     mp_random._set_cuda_rng_state = lambda *args, **kwargs: None
 
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm
+    optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm
+
     _INSTALLED = True
     log.debug("megatron-core CPU compatibility layer installed")
     return True
+
+
+def _clip_grad_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """megatron's clip_grad_by_total_norm_fp32 without its assertion that grads live on CUDA."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        torch._foreach_mul_(grads, clip_coeff)

@@ -11,10 +11,14 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from megatron.core.transformer.utils import sharded_state_dict_default
 from torch import nn
 
 from megatron_iiet.model.architectures import Architecture, StepInputs, get_architecture
@@ -195,3 +199,37 @@ class ODEStack(MegatronModule):
         if self.post_process:
             return self.final_norm(x)
         return pack_stage_output(x, states)
+
+    # ---- distributed checkpointing ---------------------------------------------------------
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None
+    ) -> ShardedStateDict:
+        """Layers keyed by their global index, so any PP layout reads any other's checkpoint.
+
+        Layers are not homogeneous (history rows grow with depth), hence one key per layer
+        rather than a stacked PP-sharded tensor.
+        """
+        assert not sharded_offsets, "unexpected sharded offsets"
+        out: ShardedStateDict = {}
+        for i, layer in enumerate(self.layers):
+            local, global_ = f"{prefix}layers.{i}.", f"{prefix}layers.{layer.layer_number - 1}."
+            layer_sd = layer.sharded_state_dict(local, (), metadata)
+            replace_prefix_for_sharding(layer_sd, local, global_)
+            out.update(layer_sd)
+        for name, module in self.named_children():
+            if module is self.layers:
+                continue
+            module_sd = sharded_state_dict_default(module, f"{prefix}{name}.", (), metadata)
+            if module is self.shared:
+                _mark_pipeline_replicas(module_sd)
+            out.update(module_sd)
+        return out
+
+
+def _mark_pipeline_replicas(sharded_sd: ShardedStateDict) -> None:
+    """Parameters every stage holds: only stage 0's copy is the main replica."""
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    for value in sharded_sd.values():
+        if isinstance(value, ShardedTensor):
+            replica = value.replica_id if isinstance(value.replica_id, tuple) else (value.replica_id,)
+            value.replica_id = (pp_rank, *replica)
