@@ -17,7 +17,9 @@ Built directly from the model's protobuf with the `tokenizers` library, so the m
 Known differences (none arise with this project's default training settings): with
 `add_dummy_prefix` and user-defined symbols, HF prepends U+2581 after each user-defined symbol;
 a unigram model's vocabulary matches literal control-token text such as "</s>" that
-sentencepiece would spell out piece by piece.
+sentencepiece would spell out piece by piece, and on equal-score ties (e.g. a run of spaces
+covered by the same whitespace pieces in another order) HF's Viterbi may order pieces
+differently (same pieces, same decoded text). BPE, the default, encodes identically.
 """
 
 from __future__ import annotations
