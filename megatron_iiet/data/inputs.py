@@ -132,6 +132,20 @@ def _first_bad_json_line(path: str) -> tuple[int, str] | None:
     return None
 
 
+def _json_record_has_key(path: str, row: int, key: str) -> bool:
+    """Whether record `row` (0-based, blank lines not counted) of a jsonl file has `key`.
+    Only called for null texts, which are rare, so the linear scan is acceptable."""
+    with open(path, "rb") as handle:
+        records = (line for line in handle if line.strip())
+        for index, raw in enumerate(records):
+            if index == row:
+                try:
+                    return key in json.loads(raw)
+                except ValueError:
+                    return True  # a .json array file, not jsonl: cannot tell, treat as null
+    return True
+
+
 def _explain_read_error(input_file: InputFile, row: int, error: Exception) -> DataInputError:
     """Turn a reader exception into an error naming the file and the offending line."""
     path = input_file.path
@@ -196,6 +210,14 @@ def iter_file_documents(input_file: InputFile, file_index: int, config: ReaderCo
                 f"(fields: {fields}); choose the text field with --text-key"
             )
         text = record[key]
+        if text is None and input_file.builder == "json" and not _json_record_has_key(input_file.path, row, key):
+            # Arrow fills a field missing from one record with null; a real null is skipped,
+            # a missing field is an error.
+            fields = ", ".join(sorted(k for k, v in record.items() if v is not None)) or "none"
+            raise DataInputError(
+                f"{input_file.path}: line {row + 1}: no field {key!r} (fields: {fields}); "
+                "choose the text field with --text-key"
+            )
         if text is not None and not isinstance(text, str):
             raise DataInputError(
                 f"{input_file.path}: {_record_word(input_file.builder)} {row + 1}: field {key!r} holds "
