@@ -23,6 +23,7 @@ _INSTALLED = False
 
 # megatron-core modules that write device="cuda" literally (found with grep in 0.16.1).
 _MODULES_HARDCODING_CUDA = (
+    "megatron.core.utils",
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.transformer.utils",

@@ -1,0 +1,269 @@
+"""The training job's configuration: typed sections, YAML files, dotted CLI overrides.
+
+    cfg = load_config("examples/tiny_iiet.yaml", ["optimizer.lr=3e-4", "parallel.tensor=2"])
+
+Unknown keys, wrong types and impossible layouts fail here, before anything is built, with the
+dotted name of the offending field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+
+
+@dataclass
+class ModelSection:
+    preset: str = "tiny"
+    """tiny | 55m | 340m | 1.3b (spec table); any field below overrides the preset."""
+    architecture: str = "iiet"
+    formulation: str = "history"
+    iterations: Optional[list[int]] = None
+    max_iterations: int = 3
+    iteration_checkpointing: str = "none"
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
+    num_layers: Optional[int] = None
+    hidden_size: Optional[int] = None
+    num_attention_heads: Optional[int] = None
+    num_query_groups: Optional[int] = None
+    ffn_hidden_size: Optional[int] = None
+    share_embeddings_and_output_weights: Optional[bool] = None
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+
+
+@dataclass
+class DataSection:
+    train: Union[str, list, None] = None
+    """Blend: "path" or "w1 path1 w2 path2 ..." (or a list). None: the built-in corpus."""
+    valid: Union[str, list, None] = None
+    """Separate validation blend; None: carve it out of `train` with `split`."""
+    split: str = "98,2,0"
+    tokenizer: Optional[str] = None
+    """sentencepiece .model or HF tokenizer dir; None with the built-in corpus."""
+    seq_length: int = 128
+    num_workers: int = 2
+    cache_dir: Optional[str] = None
+    builtin_dir: str = "outputs/builtin_data"
+    builtin_vocab_size: int = 4096
+    builtin_corpus_size: str = "4MB"
+
+
+@dataclass
+class OptimizerSection:
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+
+
+@dataclass
+class ScheduleSection:
+    train_steps: int = 100
+    warmup_steps: int = 10
+    decay_style: str = "cosine"
+    """cosine | linear | constant | WSD"""
+    wsd_decay_steps: Optional[int] = None
+    wsd_decay_style: str = "cosine"
+
+
+@dataclass
+class ParallelSection:
+    engine: str = "megatron"
+    """megatron (megatron-core DDP + optimizer) | deepspeed (ZeRO)"""
+    tensor: int = 1
+    pipeline: int = 1
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+    precision: str = "fp32"
+    """fp32 | bf16 | fp16"""
+    zero_stage: int = 1
+    offload_optimizer: bool = False
+    use_distributed_optimizer: bool = False
+    """megatron engine on GPU: shard optimizer state over DP (ZeRO-1 style)."""
+
+
+@dataclass
+class CheckpointSection:
+    dir: Optional[str] = None
+    """Where checkpoints go (defaults to <logging.dir>/checkpoints)."""
+    save_interval: int = 0
+    """Save every N steps (0: only at the end)."""
+    keep_last: int = 3
+    load: Optional[str] = "auto"
+    """auto: resume from `dir` if it holds a checkpoint; a path; or null for a fresh start."""
+    async_save: bool = False
+
+
+@dataclass
+class LoggingSection:
+    dir: str = "outputs/run"
+    log_interval: int = 1
+    tensorboard: bool = True
+    progress_bar: bool = True
+    max_skipped_steps: int = 10
+    """Stop after this many steps with non-finite loss."""
+
+
+@dataclass
+class EvalSection:
+    interval: int = 0
+    """Validate every N steps (0: only at the end)."""
+    steps: int = 4
+
+
+@dataclass
+class DistillSection:
+    """IIAD distillation (a later issue); present so configs can name it already."""
+
+    enabled: bool = False
+
+
+@dataclass
+class TrainConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    distill: DistillSection = field(default_factory=DistillSection)
+    seed: int = 1234
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or str(Path(self.logging.dir) / "checkpoints")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---- building from dicts -----------------------------------------------------------------
+
+
+def _check_type(value: Any, annotation: Any, where: str) -> Any:
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if annotation is Any:
+        return value
+    if origin is Union:
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _check_type(value, a, where)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(errors[0] if errors else f"{where}: bad value {value!r}")
+    if origin is list or annotation is list:
+        if not isinstance(value, list):
+            raise ValueError(f"{where}: expected a list, got {value!r}")
+        inner = args[0] if args else Any
+        return [_check_type(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+    if annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if annotation in (int, str, bool) and not (
+        isinstance(value, annotation) and not (annotation is int and isinstance(value, bool))
+    ):
+        raise ValueError(f"{where}: expected {annotation.__name__}, got {value!r}")
+    return value
+
+
+def _build(cls, data: dict, where: str):
+    if not isinstance(data, dict):
+        raise ValueError(f"{where or 'config'}: expected a mapping, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        name = f"{where}.{key}" if where else key
+        if key not in fields:
+            raise ValueError(f"{name}: unknown key (known: {', '.join(fields)})")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = _build(hint, value or {}, name)
+        else:
+            kwargs[key] = _check_type(value, hint, name)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"{dotted}: {k} is not a section")
+    node[keys[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise ValueError(f"override {text!r}: expected key.path=value")
+    key, raw = text.split("=", 1)
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> TrainConfig:
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"config: {path} does not exist")
+        tree = yaml.safe_load(p.read_text()) or {}
+    for text in overrides or []:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+    cfg = _build(TrainConfig, tree, "")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: TrainConfig, world_size: Optional[int] = None) -> None:
+    """Checks that need several fields at once; world_size adds the layout checks."""
+    par = cfg.parallel
+    if par.engine not in ("megatron", "deepspeed"):
+        raise ValueError(f"parallel.engine: unknown {par.engine!r} (megatron | deepspeed)")
+    if par.precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"parallel.precision: unknown {par.precision!r} (fp32 | bf16 | fp16)")
+    if par.engine == "deepspeed" and par.pipeline != 1:
+        raise ValueError("parallel.pipeline: the deepspeed engine runs with pipeline=1")
+    if par.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"parallel.zero_stage: must be 0..3, got {par.zero_stage}")
+    if par.global_batch_size % par.micro_batch_size:
+        raise ValueError(
+            f"parallel.global_batch_size: {par.global_batch_size} is not a multiple of "
+            f"micro_batch_size {par.micro_batch_size}"
+        )
+    if cfg.schedule.decay_style not in ("cosine", "linear", "constant", "WSD"):
+        raise ValueError(f"schedule.decay_style: unknown {cfg.schedule.decay_style!r}")
+    if cfg.schedule.warmup_steps >= cfg.schedule.train_steps:
+        raise ValueError("schedule.warmup_steps: must be shorter than schedule.train_steps")
+    if world_size is not None:
+        mp = par.tensor * par.pipeline
+        if world_size % mp:
+            raise ValueError(
+                f"parallel: tensor x pipeline = {mp} does not divide the {world_size} processes"
+            )
+        dp = world_size // mp
+        if par.global_batch_size % (par.micro_batch_size * dp):
+            raise ValueError(
+                f"parallel.global_batch_size: {par.global_batch_size} is not divisible by "
+                f"micro_batch_size x data-parallel size = {par.micro_batch_size} x {dp}"
+            )

@@ -1,0 +1,160 @@
+"""Training data: megatron-core GPT datasets over preprocessed .bin/.idx, in a fixed global order.
+
+The global sample order is megatron's (GPTDataset shuffles documents and samples with a seed);
+step k consumes global samples [k*G, (k+1)*G). Each global batch is cut into micro-batches of
+``micro_batch_size x dp`` samples, and data-parallel rank r takes its slice of each: the same
+split Megatron-LM uses, so DP=1 and DP=2 see the same global batch. ``consumed_samples`` goes in
+the checkpoint and is all a resume needs to continue the stream exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Iterator, Optional
+
+import torch
+from torch.utils.data import DataLoader
+
+from megatron_iiet.data.blend import validate_blend
+from megatron_iiet.data.tokenizer import Tokenizer
+from megatron_iiet.training.config import TrainConfig
+
+
+@dataclass
+class DataSources:
+    tokenizer: Tokenizer
+    train_blend: list[tuple[float, str]]
+    valid_blend: Optional[list[tuple[float, str]]]
+
+
+def resolve_sources(cfg: TrainConfig, rank: int = 0) -> DataSources:
+    """The tokenizer and blends a config names; the built-in corpus when it names none.
+
+    Everything is checked here, before any model is built: paths, intact indexes, and that every
+    dataset was made with the configured tokenizer (fingerprints).
+    """
+    data = cfg.data
+    if data.train is None:
+        from megatron_iiet.data.prepare import prepare_builtin_corpus
+
+        if data.tokenizer is not None:
+            raise ValueError("data.tokenizer: set data.train too (the built-in corpus brings its own)")
+        marker = Path(data.builtin_dir) / ".prepared"
+        if rank == 0:
+            prepared = prepare_builtin_corpus(data.builtin_dir, vocab_size=data.builtin_vocab_size,
+                                              corpus_size=data.builtin_corpus_size)
+            marker.write_text(prepared.data_prefix)
+        _barrier()
+        tokenizer_path = str(Path(data.builtin_dir) / "tokenizer" / "tokenizer.model")
+        train_spec: object = marker.read_text()
+    else:
+        if data.tokenizer is None:
+            raise ValueError("data.tokenizer: required when data.train is set")
+        tokenizer_path, train_spec = data.tokenizer, data.train
+    if not Path(tokenizer_path).exists():
+        raise ValueError(f"data.tokenizer: {tokenizer_path} does not exist")
+    tokenizer = Tokenizer.from_path(tokenizer_path)
+    try:
+        train = validate_blend(train_spec, expected_fingerprint=tokenizer.fingerprint)
+        valid = (validate_blend(data.valid, expected_fingerprint=tokenizer.fingerprint)
+                 if data.valid is not None else None)
+    except ValueError as e:
+        raise ValueError(f"data: {e}") from e
+    return DataSources(tokenizer, train, valid)
+
+
+def _barrier():
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _megatron_tokenizer(tokenizer: Tokenizer):
+    # GPTDataset reads only these attributes; unique_identifiers keys its index cache
+    return SimpleNamespace(vocab_size=tokenizer.vocab_size, eod=tokenizer.eod_id, pad=-1,
+                           eos=tokenizer.eos_id,
+                           unique_identifiers={"fingerprint": tokenizer.fingerprint})
+
+
+def build_datasets(cfg: TrainConfig, sources: DataSources):
+    """(train, valid) megatron GPTDatasets sized for the whole run."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    par, sched = cfg.parallel, cfg.schedule
+    train_samples = sched.train_steps * par.global_batch_size
+    evals = sched.train_steps // cfg.eval.interval + 1 if cfg.eval.interval else 1
+    valid_samples = cfg.eval.steps * par.global_batch_size * evals
+
+    def blend(pairs):
+        return ([p for _, p in pairs], [w for w, _ in pairs])
+
+    common = dict(
+        random_seed=cfg.seed,
+        sequence_length=cfg.data.seq_length,
+        tokenizer=_megatron_tokenizer(sources.tokenizer),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+        path_to_cache=cfg.data.cache_dir or str(Path(cfg.logging.dir) / "data_cache"),
+        mid_level_dataset_surplus=0.05,
+    )
+    if sources.valid_blend is None:
+        ds_cfg = GPTDatasetConfig(blend=blend(sources.train_blend), split=cfg.data.split, **common)
+    else:
+        ds_cfg = GPTDatasetConfig(
+            blend_per_split=[blend(sources.train_blend), blend(sources.valid_blend), None],
+            **common,
+        )
+    train, valid, _ = BlendedMegatronDatasetBuilder(
+        GPTDataset, [train_samples, valid_samples, valid_samples], lambda: True, ds_cfg
+    ).build()
+    if valid is None:
+        raise ValueError(
+            f"data.split: {cfg.data.split!r} leaves no validation data; give it a validation "
+            "share or set data.valid"
+        )
+    return train, valid
+
+
+class MicroBatchSampler:
+    """Index lists of this DP rank's micro-batches, from ``consumed_samples`` on."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 dp_rank: int, dp_size: int):
+        self.total = total_samples
+        self.consumed = consumed_samples
+        self.mb = micro_batch_size
+        self.rank = dp_rank
+        self.size = dp_size
+
+    def __iter__(self):
+        stride = self.mb * self.size
+        start = self.consumed
+        while start + stride <= self.total:
+            first = start + self.rank * self.mb
+            yield list(range(first, first + self.mb))
+            start += stride
+
+    def __len__(self):
+        return (self.total - self.consumed) // (self.mb * self.size)
+
+
+def _to_model_batch(sample: dict) -> dict:
+    return {"input_ids": sample["tokens"], "labels": sample["labels"],
+            "loss_mask": sample["loss_mask"]}
+
+
+def micro_batch_loader(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int,
+                       dp_size: int, num_workers: int, total_samples: Optional[int] = None
+                       ) -> Iterator[dict]:
+    """This rank's micro-batches in global order, starting after ``consumed_samples``."""
+    sampler = MicroBatchSampler(total_samples or len(dataset), consumed_samples,
+                                micro_batch_size, dp_rank, dp_size)
+    loader = DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                        persistent_workers=False, collate_fn=None)
+    return (_to_model_batch(b) for b in loader)

@@ -1,0 +1,128 @@
+"""Training metrics: a progress bar with ETA on stdout, TensorBoard and a JSONL file.
+
+Only rank 0 writes; every rank calls the same methods.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+
+def measured_peak_flops(dtype: torch.dtype = torch.float32, n: int = 2048) -> float:
+    """This device's achievable dense GEMM rate: the denominator of MFU."""
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    best = math.inf
+    for _ in range(3):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def memory_mb() -> dict:
+    if torch.cuda.is_available():
+        return {"mem_allocated_mb": torch.cuda.memory_allocated() / 2**20,
+                "mem_peak_mb": torch.cuda.max_memory_allocated() / 2**20}
+    return {"mem_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+class MetricsLogger:
+    def __init__(self, log_dir: str, enabled: bool, total_steps: int, start_step: int,
+                 tensorboard: bool = True, progress_bar: bool = True):
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self._bar = None
+        self._tb = None
+        self._jsonl = None
+        if not enabled:
+            return
+        root = Path(log_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path = root / "metrics.jsonl"
+        self._jsonl = open(self.jsonl_path, "a", buffering=1)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(root / "tensorboard"))
+        if progress_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step",
+                             dynamic_ncols=True, desc="train")
+
+    def _write(self, record: dict) -> None:
+        self._jsonl.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            step = record["step"]
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "step" and v is not None:
+                    self._tb.add_scalar(f"{record['kind']}/{k}", v, step)
+
+    def event(self, kind: str, step: int, **fields) -> None:
+        if self.enabled:
+            self._write({"kind": kind, "step": step, "time": time.time(), **fields})
+
+    def log_step(self, step: int, **metrics) -> None:
+        if not self.enabled:
+            return
+        self._write({"kind": "train", "step": step, "time": time.time(), **metrics})
+        if self._bar is not None:
+            self._bar.update(step - self._bar.n)
+            self._bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
+                                  tok_s=f"{metrics['tokens_per_s']:.0f}",
+                                  mfu=f"{metrics['mfu']:.1%}", refresh=False)
+        else:
+            print(f"step {step}/{self.total_steps} loss {metrics['loss']:.4f} "
+                  f"lr {metrics['lr']:.2e} tok/s {metrics['tokens_per_s']:.0f}", flush=True)
+
+    def log_eval(self, step: int, loss: float) -> None:
+        if not self.enabled:
+            return
+        ppl = math.exp(loss) if loss < 50 else float("inf")
+        self._write({"kind": "valid", "step": step, "time": time.time(), "loss": loss, "ppl": ppl})
+        message = f"validation at step {step}: loss {loss:.4f}, perplexity {ppl:.2f}"
+        (self._bar.write if self._bar is not None else print)(message)
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            (self._bar.write if self._bar is not None else print)(text)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+
+
+class Throughput:
+    """Tokens/s and MFU of a step from its wall time."""
+
+    def __init__(self, flops_per_step: float, tokens_per_step: int, peak_flops: float,
+                 world_size: int):
+        self.flops = flops_per_step
+        self.tokens = tokens_per_step
+        self.peak = peak_flops * world_size
+
+    def __call__(self, seconds: float) -> dict:
+        return {"step_s": seconds, "tokens_per_s": self.tokens / seconds,
+                "mfu": self.flops / seconds / self.peak}
+
+
+def optional_float(x) -> Optional[float]:
+    return None if x is None else float(x)

@@ -1,0 +1,181 @@
+"""The training loop: one step is "next global batch -> engine.train_step -> bookkeeping"."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_iiet.training.config import TrainConfig, validate
+
+
+@dataclass
+class TrainSummary:
+    steps: int
+    final_loss: Optional[float]
+    valid_loss: Optional[float]
+    checkpoint: Optional[str]
+    log_dir: str
+    preempted: bool
+
+
+class TooManySkippedSteps(RuntimeError):
+    pass
+
+
+def padded_vocab_size(vocab_size: int, multiple: int = 128) -> int:
+    # A multiple of 128 whatever the TP size, so every layout shares one embedding shape.
+    return -(-vocab_size // multiple) * multiple
+
+
+def build_model_config(cfg: TrainConfig, vocab_size: int):
+    from megatron_iiet.model.config import preset
+
+    m, par = cfg.model, cfg.parallel
+    overrides = {k: v for k, v in dataclasses.asdict(m).items() if k != "preset" and v is not None}
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[par.precision]
+    return preset(
+        m.preset,
+        **overrides,
+        vocab_size=vocab_size,
+        max_sequence_length=cfg.data.seq_length,
+        tensor_model_parallel_size=par.tensor,
+        pipeline_model_parallel_size=par.pipeline,
+        params_dtype=dtype,
+        bf16=par.precision == "bf16",
+        fp16=par.precision == "fp16",
+    )
+
+
+def _resolve_load_path(cfg: TrainConfig, manager):
+    from megatron_iiet.training.checkpointing import resolve_checkpoint
+
+    load = cfg.checkpoint.load
+    if load is None:
+        return None
+    if load == "auto":
+        return manager.latest()
+    return resolve_checkpoint(load)
+
+
+def train(cfg: TrainConfig) -> TrainSummary:
+    from megatron.core import parallel_state
+
+    from megatron_iiet.distributed import initialize
+    from megatron_iiet.model.flops import step_flops
+    from megatron_iiet.model.gpt import IIETModel
+    from megatron_iiet.model.sharding import init_layout_independent
+    from megatron_iiet.training import checkpointing as ckpt
+    from megatron_iiet.training.data import build_datasets, micro_batch_loader, resolve_sources
+    from megatron_iiet.training.engines import build_engine
+    from megatron_iiet.training.metrics import (
+        MetricsLogger, Throughput, measured_peak_flops, memory_mb, optional_float)
+    from megatron_iiet.training.signals import PreemptionHandler
+
+    par = cfg.parallel
+    initialize(par.tensor, par.pipeline, seed=cfg.seed)
+    if par.engine == "deepspeed":
+        from megatron_iiet.training.engines import init_deepspeed_distributed
+
+        init_deepspeed_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    validate(cfg, world)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp = parallel_state.get_data_parallel_world_size()
+
+    # Everything that can be wrong with the inputs is found before the first step.
+    sources = resolve_sources(cfg, rank)
+    model_config = build_model_config(cfg, padded_vocab_size(sources.tokenizer.vocab_size))
+    manager = ckpt.CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint.keep_last,
+                                     cfg.checkpoint.async_save)
+    load_path = _resolve_load_path(cfg, manager)
+    if load_path is not None:
+        ckpt.check_compatible(ckpt.read_meta(load_path), model_config,
+                              sources.tokenizer.fingerprint, load_path)
+    train_ds, valid_ds = build_datasets(cfg, sources)
+
+    model = IIETModel(model_config)
+    init_layout_independent(model, cfg.seed)
+    engine = build_engine(cfg, model)
+    state = ckpt.TrainingState()
+    if load_path is not None:
+        state = ckpt.load(engine, load_path, cfg.seed)
+
+    num_micro = par.global_batch_size // (par.micro_batch_size * dp)
+    seq = cfg.data.seq_length
+    flops = step_flops(model_config, par.global_batch_size, seq).model
+    throughput = Throughput(flops, par.global_batch_size * seq,
+                            measured_peak_flops(model_config.params_dtype), world)
+    log = MetricsLogger(cfg.logging.dir, rank == 0, cfg.schedule.train_steps, state.step,
+                        cfg.logging.tensorboard, cfg.logging.progress_bar)
+    if load_path is not None:
+        log.message(f"resumed from {load_path} at step {state.step}")
+        log.event("resume", state.step, path=str(load_path))
+    meta_extra = {"config": cfg.to_dict(), "tokenizer_fingerprint": sources.tokenizer.fingerprint,
+                  "tokenizer": str(sources.tokenizer.path)}
+
+    def evaluate() -> float:
+        engine.train(False)
+        batches = micro_batch_loader(valid_ds, 0, par.micro_batch_size, dp_rank, dp, 0)
+        losses = [engine.eval_step([next(batches) for _ in range(num_micro)])
+                  for _ in range(cfg.eval.steps)]
+        engine.train(True)
+        return sum(losses) / len(losses)
+
+    batches = micro_batch_loader(train_ds, state.consumed_samples, par.micro_batch_size, dp_rank,
+                                 dp, cfg.data.num_workers,
+                                 total_samples=cfg.schedule.train_steps * par.global_batch_size)
+    last_loss, valid_loss, valid_step, preempted = None, None, None, False
+    saved, saved_step = load_path, (state.step if load_path is not None else None)
+    engine.train(True)
+    with PreemptionHandler() as preemption:
+        while state.step < cfg.schedule.train_steps:
+            t0 = time.perf_counter()
+            result = engine.train_step([next(batches) for _ in range(num_micro)])
+            seconds = time.perf_counter() - t0
+            state.step += 1
+            state.consumed_samples += par.global_batch_size
+            last_loss = result.loss
+            if result.skipped:
+                state.skipped_steps += 1
+                log.message(f"step {state.step}: non-finite loss {result.loss}, update skipped "
+                            f"({state.skipped_steps}/{cfg.logging.max_skipped_steps})")
+                if state.skipped_steps > cfg.logging.max_skipped_steps:
+                    raise TooManySkippedSteps(
+                        f"{state.skipped_steps} steps with non-finite loss (limit "
+                        f"logging.max_skipped_steps={cfg.logging.max_skipped_steps})")
+            if state.step % cfg.logging.log_interval == 0 or state.step == 1:
+                log.log_step(state.step, loss=result.loss, lr=result.lr,
+                             grad_norm=optional_float(result.grad_norm),
+                             skipped_steps=state.skipped_steps, **throughput(seconds),
+                             **memory_mb())
+            if cfg.eval.interval and state.step % cfg.eval.interval == 0:
+                valid_loss, valid_step = evaluate(), state.step
+                log.log_eval(state.step, valid_loss)
+            manager.finalize_pending()
+            preempted = preemption.stop_requested()
+            interval = cfg.checkpoint.save_interval
+            if preempted or (interval and state.step % interval == 0):
+                saved, saved_step = manager.save(engine, state, meta_extra), state.step
+                log.message(f"saved checkpoint {saved}")
+            if preempted:
+                log.message(f"preemption signal received: stopped after step {state.step}")
+                log.event("preempted", state.step)
+                break
+    if not preempted:
+        if saved_step != state.step:
+            saved, saved_step = manager.save(engine, state, meta_extra), state.step
+            log.message(f"saved checkpoint {saved}")
+        if valid_step != state.step:
+            valid_loss = evaluate()
+            log.log_eval(state.step, valid_loss)
+    manager.close()
+    log.close()
+    return TrainSummary(state.step, last_loss, valid_loss, str(saved) if saved else None,
+                        cfg.logging.dir, preempted)
