@@ -99,3 +99,12 @@ def test_cache_refuses_a_foreign_non_empty_cache():
     foreign.update(torch.zeros(2, 4, 3, 16), torch.zeros(2, 4, 3, 16), 0)
     with pytest.raises(ValueError, match="IIETCache"):
         model(prompt()[:, :1], cache=foreign)
+
+
+def test_beam_search_with_cache_equals_without():
+    """Beam search reorders every (layer, pass) slot; the result must not depend on the cache."""
+    model = tiny_model(seed=9, architecture="pcformer_rk2", tie_word_embeddings=False)
+    kwargs = dict(max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
+    cached = model.generate(prompt(), use_cache=True, **kwargs)
+    uncached = model.generate(prompt(), use_cache=False, **kwargs)
+    assert torch.equal(cached, uncached)

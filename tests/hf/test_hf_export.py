@@ -65,7 +65,7 @@ def test_fresh_process_loads_with_remote_code_offline(tmp_path):
     script, out = tmp_path / "child.py", tmp_path / "child.pt"
     script.write_text(CHILD)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(script), str(folder), str(out)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
