@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import time
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -191,8 +192,10 @@ class _OrderedTokenizer:
         self.workers = config.workers
         init_args = (config.tokenizer, dtype_name, eod_id)
         if self.workers > 0:
-            context = multiprocessing.get_context("spawn")  # no fork of a process holding arrow threads
-            self.pool = context.Pool(self.workers, initializer=_init_worker, initargs=init_args)
+            # spawn: no fork of a process holding arrow threads. An executor (not a Pool) so a
+            # worker that dies raises BrokenProcessPool instead of hanging the run.
+            context = multiprocessing.get_context("spawn")
+            self.pool = ProcessPoolExecutor(self.workers, mp_context=context, initializer=_init_worker, initargs=init_args)
         else:
             self.pool = None
             _init_worker(*init_args)
@@ -205,18 +208,17 @@ class _OrderedTokenizer:
         pending: deque = deque()
         limit = 2 * self.workers + 2
         for batch in batches:
-            pending.append((batch, self.pool.apply_async(_tokenize_batch, ([d.text for d in batch],))))
+            pending.append((batch, self.pool.submit(_tokenize_batch, [d.text for d in batch])))
             if len(pending) >= limit:
                 done_batch, result = pending.popleft()
-                yield done_batch, result.get()
+                yield done_batch, result.result()
         while pending:
             done_batch, result = pending.popleft()
-            yield done_batch, result.get()
+            yield done_batch, result.result()
 
     def close(self, terminate: bool = False) -> None:
         if self.pool is not None:
-            (self.pool.terminate if terminate else self.pool.close)()
-            self.pool.join()
+            self.pool.shutdown(wait=not terminate, cancel_futures=terminate)
 
 
 def _progress_bar(config: PreprocessConfig, total_bytes: int, initial: int):

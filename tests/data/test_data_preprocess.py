@@ -77,7 +77,7 @@ def test_shards_merge_and_workers_are_byte_identical(tmp_path, small_tokenizer, 
 
 
 def test_resume_after_sigkill_gives_identical_bytes(tmp_path, small_tokenizer, shared_data):
-    source = write_jsonl(tmp_path / "in.jsonl", gutenberg_paragraphs(shared_data, books=6))
+    source = write_jsonl(tmp_path / "in.jsonl", gutenberg_paragraphs(shared_data, books=4))
     reference = tmp_path / "ref" / "ds"
     run_preprocess(PreprocessConfig(inputs=(str(source),), tokenizer=str(small_tokenizer), output_prefix=str(reference),
                                     workers=0, progress=False))

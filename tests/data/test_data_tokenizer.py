@@ -27,10 +27,10 @@ EDGE_CASES = [
 
 
 def _real_texts(shared) -> list[str]:
-    texts = gutenberg_paragraphs(shared, books=22)[::9]
+    texts = gutenberg_paragraphs(shared, books=22)[::20]
     wiki = (shared / "wikitext-2-raw" / "wiki.test.raw").read_text(encoding="utf-8").split("\n")
     shakespeare = (shared / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8").split("\n\n")
-    return EDGE_CASES + texts + wiki[::3] + shakespeare[::5]
+    return EDGE_CASES + texts + wiki[::6] + shakespeare[::10]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def trained(tmp_path_factory, shared_data):
     from conftest import write_jsonl
 
     root = tmp_path_factory.mktemp("hf")
-    corpus = write_jsonl(root / "train.jsonl", gutenberg_paragraphs(shared_data, books=2))
+    corpus = write_jsonl(root / "train.jsonl", gutenberg_paragraphs(shared_data, books=1))
     made = {}
     for model_type in ("bpe", "unigram"):
         out = root / model_type

@@ -1,0 +1,177 @@
+#!/usr/bin/env python
+"""Preprocessing throughput and peak memory vs input size, side by side in one run.
+
+Input: the Gutenberg books of ../shared/data (boilerplate stripped), cut into ~4 KB documents,
+written as jsonl and repeated up to each size. Rows: a plain single-process loop (json.loads,
+sentencepiece encode, numpy write: the floor) and tools' `run_preprocess` with 1 and 2 worker
+processes. Each configuration runs in a fresh subprocess so its peak RSS is its own.
+
+  .venv/bin/python bench/bench_preprocess.py --sizes-mb 20 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def make_input(shared: Path, path: Path, size_mb: int) -> int:
+    """Write ~size_mb MB of jsonl: 4 KB documents of Gutenberg text, the books repeated."""
+    from megatron_iiet.data.corpus import strip_gutenberg_boilerplate
+
+    documents = []
+    for book in sorted((shared / "gutenberg").glob("*.txt")):
+        with open(book, encoding="utf-8-sig", newline="") as handle:
+            body = strip_gutenberg_boilerplate(handle.read(), str(book))
+        documents.extend(body[i:i + 4096] for i in range(0, len(body), 4096))
+    target = size_mb * 10**6
+    written = count = 0
+    with open(path, "w", encoding="utf-8") as out:
+        while written < target:
+            for document in documents:
+                line = json.dumps({"text": document}) + "\n"
+                out.write(line)
+                written += len(line.encode("utf-8"))
+                count += 1
+                if written >= target:
+                    break
+    return count
+
+
+def floor_loop(source: str, tokenizer: str, prefix: str) -> tuple[int, int]:
+    """The plain baseline: one process, line by line, no batching, no pipelining."""
+    import numpy as np
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=tokenizer)
+    eod = sp.eos_id()
+    lengths = []
+    with open(source, encoding="utf-8") as lines, open(prefix + ".bin", "wb") as out:
+        for line in lines:
+            ids = sp.encode(json.loads(line)["text"]) + [eod]
+            out.write(np.array(ids, dtype=np.uint16).tobytes())
+            lengths.append(len(ids))
+    np.array(lengths, dtype=np.int32).tofile(prefix + ".lengths")
+    return len(lengths), sum(lengths)
+
+
+def _hwm_mb(pid: str = "self") -> float:
+    """Peak RSS (VmHWM) of one process; unlike ru_maxrss it is not inherited across exec."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+class _WorkerPeakWatcher(threading.Thread):
+    """Polls the peak RSS of this process's children (the tokenizer workers)."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peak = 0.0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        me = os.getpid()
+        while not self.stop.wait(0.2):
+            try:
+                children = Path(f"/proc/{me}/task/{me}/children").read_text().split()
+            except OSError:
+                continue
+            for pid in children:
+                self.peak = max(self.peak, _hwm_mb(pid))
+
+
+def child(args) -> None:
+    watcher = _WorkerPeakWatcher()
+    watcher.start()
+    started = time.perf_counter()
+    if args.mode == "floor":
+        documents, tokens = floor_loop(args.source, args.tokenizer, args.prefix)
+    else:
+        from megatron_iiet.data.preprocess import PreprocessConfig, run_preprocess
+
+        summary = run_preprocess(PreprocessConfig(inputs=(args.source,), tokenizer=args.tokenizer, output_prefix=args.prefix,
+                                                  workers=int(args.mode), progress=False))
+        documents, tokens = summary.documents, summary.tokens
+    seconds = time.perf_counter() - started
+    watcher.stop.set()
+    main_rss, worker_rss = _hwm_mb(), watcher.peak
+    print(json.dumps({"documents": documents, "tokens": tokens, "seconds": seconds, "main_rss_mb": main_rss, "worker_rss_mb": worker_rss}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes-mb", type=int, nargs="+", default=[20, 200])
+    parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument("--shared-data", default=os.environ.get("IIET_SHARED_DATA", str(REPO.parent / "shared" / "data")))
+    parser.add_argument("--work-dir", default=None, help="scratch directory (default: a temp dir, deleted)")
+    parser.add_argument("--child", nargs=4, metavar=("MODE", "SOURCE", "TOKENIZER", "PREFIX"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        args.mode, args.source, args.tokenizer, args.prefix = args.child
+        return child(args)
+    shared = Path(args.shared_data)
+    if not (shared / "gutenberg").is_dir():
+        raise SystemExit(f"error: {shared}/gutenberg not found (set --shared-data or IIET_SHARED_DATA)")
+    with tempfile.TemporaryDirectory(dir=args.work_dir) as scratch:
+        scratch = Path(scratch)
+        from megatron_iiet.data.tokenizer_training import TokenizerTrainingConfig, train_tokenizer
+
+        make_input(shared, scratch / "train.jsonl", 20)
+        train_tokenizer(TokenizerTrainingConfig(inputs=(str(scratch / "train.jsonl"),), output_dir=str(scratch / "tok"),
+                                                vocab_size=args.vocab_size, input_sentence_size=100_000))
+        tokenizer = str(scratch / "tok" / "tokenizer.model")
+        rows = []
+        for size in args.sizes_mb:
+            source = scratch / f"in_{size}.jsonl"
+            documents = make_input(shared, source, size)
+            for mode in ("floor", "1", "2"):
+                prefix = scratch / f"out_{size}_{mode}" / "ds"
+                prefix.parent.mkdir()
+                result = subprocess.run([sys.executable, __file__, "--child", mode, str(source), tokenizer, str(prefix)],
+                                        capture_output=True, text=True, check=True)
+                row = json.loads(result.stdout.strip().splitlines()[-1])
+                row.update(size=size, mode=mode, input_documents=documents)
+                rows.append(row)
+                print(f"  done {size} MB {mode}: {row['tokens'] / row['seconds']:,.0f} tok/s", file=sys.stderr)
+                for path in prefix.parent.iterdir():
+                    path.unlink()
+            source.unlink()
+    print(f"\ntokenizer: sentencepiece BPE vocab {args.vocab_size}; documents ~4 KB; {os.cpu_count()} CPUs\n")
+    print("| input | pipeline | documents | tokens | time s | tokens/s | vs floor | tokens/s per worker / floor | peak RSS main MB | peak RSS per worker MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    floors = {r["size"]: r["tokens"] / r["seconds"] for r in rows if r["mode"] == "floor"}
+    for r in rows:
+        rate = r["tokens"] / r["seconds"]
+        name = "plain loop (floor)" if r["mode"] == "floor" else f"preprocess, {r['mode']} worker(s)"
+        workers = 1 if r["mode"] == "floor" else int(r["mode"])
+        worker_rss = "-" if r["mode"] == "floor" else f"{r['worker_rss_mb']:.0f}"
+        print(f"| {r['size']} MB | {name} | {r['documents']:,} | {r['tokens']:,} | {r['seconds']:.1f} | {rate:,.0f} | "
+              f"{rate / floors[r['size']]:.2f}x | {rate / workers / floors[r['size']]:.2f}x | {r['main_rss_mb']:.0f} | {worker_rss} |")
+    if len(args.sizes_mb) >= 2:
+        small, large = args.sizes_mb[0], args.sizes_mb[-1]
+        print(f"\nRSS growth {small} MB -> {large} MB input:")
+        for mode in ("floor", "1", "2"):
+            a = next(r for r in rows if r["size"] == small and r["mode"] == mode)
+            b = next(r for r in rows if r["size"] == large and r["mode"] == mode)
+            print(f"  {mode:>5}: main {100 * (b['main_rss_mb'] / a['main_rss_mb'] - 1):+.1f}%, "
+                  f"workers {100 * (b['worker_rss_mb'] / max(a['worker_rss_mb'], 1) - 1):+.1f}%")
+
+
+if __name__ == "__main__":
+    main()
