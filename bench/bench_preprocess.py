@@ -93,6 +93,11 @@ class _WorkerPeakWatcher(threading.Thread):
             except OSError:
                 continue
             for pid in children:
+                try:  # only our spawn workers: a finished child's pid may be reused meanwhile
+                    if b"multiprocessing.spawn" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                        continue
+                except OSError:
+                    continue
                 self.peak = max(self.peak, _hwm_mb(pid))
 
 

@@ -8,8 +8,16 @@ Example:
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-import _cli
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
+
+
+def fail(error: BaseException) -> None:
+    """Exit non-zero with a one-line reason (no traceback for bad input)."""
+    print(f"error: {error}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -22,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         meta = merge_datasets(args.input, args.output_prefix)
     except ValueError as error:
-        _cli.fail(error)
+        fail(error)
     print(f"merged {len(args.input)} datasets into {args.output_prefix}: {meta['documents']:,} documents, {meta['tokens']:,} tokens")
 
 

@@ -13,8 +13,16 @@ Example:
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-import _cli
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
+
+
+def fail(error: BaseException) -> None:
+    """Exit non-zero with a one-line reason (no traceback for bad input)."""
+    print(f"error: {error}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         summary = run_preprocess(config)
     except ValueError as error:
-        _cli.fail(error)
+        fail(error)
     if summary.already_complete:
         print(f"already complete: {summary.outputs[0]} ({summary.documents:,} documents, {summary.tokens:,} tokens)")
         return

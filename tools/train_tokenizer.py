@@ -11,8 +11,16 @@ from __future__ import annotations
 
 import argparse
 import time
+import sys
+from pathlib import Path
 
-import _cli
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
+
+
+def fail(error: BaseException) -> None:
+    """Exit non-zero with a one-line reason (no traceback for bad input)."""
+    print(f"error: {error}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         info = train_tokenizer(TokenizerTrainingConfig(**options))
     except ValueError as error:
-        _cli.fail(error)
+        fail(error)
     print(f"trained {args.model_type} tokenizer, vocab {info['vocab_size']}, in {time.perf_counter() - started:.1f} s")
     print(f"  sentencepiece model: {info['model']}")
     print(f"  HF tokenizer dir:    {info['hf_dir']}")
