@@ -17,6 +17,7 @@ re-seeded deterministically from (seed, step) instead.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -164,6 +165,7 @@ class CheckpointManager:
         }
 
         def commit():
+            _fault_injection_pause(partial)
             _barrier()
             if _rank() == 0:
                 _write_text_atomic(partial / META, json.dumps(meta, indent=2, default=str))
@@ -214,6 +216,17 @@ class CheckpointManager:
         return path
 
 
+def _fault_injection_pause(partial: Path) -> None:
+    """Tests of interrupted saves set IIET_TEST_PAUSE_IN_SAVE=<marker file>: the save announces
+    itself there and waits, so a signal can be sent while the checkpoint is half written."""
+    marker = os.environ.get("IIET_TEST_PAUSE_IN_SAVE")
+    if marker and _rank() == 0:
+        import time
+
+        Path(marker).write_text(str(partial))
+        time.sleep(float(os.environ.get("IIET_TEST_PAUSE_SECONDS", "5")))
+
+
 def resolve_checkpoint(path: str) -> Path:
     """A checkpoint directory from a root (via its `latest`) or from an iter_* path."""
     p = Path(path)
@@ -258,6 +271,8 @@ def _sharded_model_state(engine):
 def load(engine, path: Path, seed: int) -> TrainingState:
     """Restore model, optimizer, scheduler and RNG from ``path`` into ``engine``."""
     meta = read_meta(path)
+    if meta.get("model_only"):
+        return _load_model_only(engine, path, seed)
     same_layout = meta["layout"] == layout() and meta.get("engine") == engine.name
     model_sd = engine.module.sharded_state_dict()
     request = {"model": model_sd}
@@ -285,3 +300,27 @@ def load(engine, path: Path, seed: int) -> TrainingState:
 
         seed_everything(seed + meta["step"])
     return TrainingState(meta["step"], meta["consumed_samples"], meta.get("skipped_steps", 0))
+
+
+def _load_model_only(engine, path: Path, seed: int) -> TrainingState:
+    """Weights only (e.g. converted from HF by tools/convert_checkpoint.py): the optimizer and
+    schedule start fresh, at step 0."""
+    from megatron_iiet.distributed import seed_everything
+
+    gathered = contextlib.nullcontext()
+    if engine.name == "deepspeed" and engine.model.zero_optimization_stage() == 3:
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(list(engine.module.parameters()),
+                                                     modifier_rank=0)
+    with gathered:
+        loaded = dist_checkpointing.load({"model": engine.module.sharded_state_dict()}, str(path))
+        engine.module.load_state_dict(loaded["model"])
+    # Optimizers holding fp32 master copies (bf16/fp16, ZeRO partitions) built them from the
+    # initial weights: refresh them from the loaded ones.
+    if engine.name == "megatron":
+        engine.optimizer.reload_model_params()
+    elif hasattr(engine.model.optimizer, "refresh_fp32_params"):
+        engine.model.optimizer.refresh_fp32_params()
+    seed_everything(seed)
+    return TrainingState()

@@ -76,6 +76,8 @@ class ScheduleSection:
     """cosine | linear | constant | WSD"""
     wsd_decay_steps: Optional[int] = None
     wsd_decay_style: str = "cosine"
+    exit_interval: Optional[int] = None
+    """Save and stop after this many steps of this run (the schedule still spans train_steps)."""
 
 
 @dataclass

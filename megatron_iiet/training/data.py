@@ -90,7 +90,10 @@ def build_datasets(cfg: TrainConfig, sources: DataSources):
     valid_samples = cfg.eval.steps * par.global_batch_size * evals
 
     def blend(pairs):
-        return ([p for _, p in pairs], [w for w, _ in pairs])
+        # megatron wants no weights for a single dataset (then split sizes may be left open)
+        return ([p for _, p in pairs], [w for w, _ in pairs] if len(pairs) > 1 else None)
+
+    test_samples = None if len(sources.train_blend) == 1 else valid_samples
 
     common = dict(
         random_seed=cfg.seed,
@@ -104,6 +107,7 @@ def build_datasets(cfg: TrainConfig, sources: DataSources):
         mid_level_dataset_surplus=0.05,
     )
     if sources.valid_blend is None:
+        _check_split_nonempty(cfg.data.split, sources.train_blend)
         ds_cfg = GPTDatasetConfig(blend=blend(sources.train_blend), split=cfg.data.split, **common)
     else:
         ds_cfg = GPTDatasetConfig(
@@ -111,7 +115,7 @@ def build_datasets(cfg: TrainConfig, sources: DataSources):
             **common,
         )
     train, valid, _ = BlendedMegatronDatasetBuilder(
-        GPTDataset, [train_samples, valid_samples, valid_samples], lambda: True, ds_cfg
+        GPTDataset, [train_samples, valid_samples, test_samples], lambda: True, ds_cfg
     ).build()
     if valid is None:
         raise ValueError(
@@ -119,6 +123,28 @@ def build_datasets(cfg: TrainConfig, sources: DataSources):
             "share or set data.valid"
         )
     return train, valid
+
+
+def _check_split_nonempty(split: str, pairs) -> None:
+    """megatron splits each dataset by document; an empty share makes GPTDataset loop forever
+    looking for tokens, so refuse it here with a message instead."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    for _, prefix in pairs:
+        docs = len(IndexedDataset(prefix).document_indices) - 1
+        for name, bounds in zip(("train", "validation"), matrix[:2]):
+            if bounds is None:
+                raise ValueError(f"data.split: {split!r} gives no {name} share")
+            count = int(round(bounds[1] * docs)) - int(round(bounds[0] * docs))
+            if count == 0:
+                raise ValueError(
+                    f"data.split: the {name} share of {split!r} holds no documents of {prefix} "
+                    f"({docs} documents); enlarge it or give data.valid")
 
 
 class MicroBatchSampler:

@@ -18,6 +18,7 @@ from megatron_iiet.training.config import TrainConfig, validate
 @dataclass
 class TrainSummary:
     steps: int
+    params_sha256: str
     final_loss: Optional[float]
     valid_loss: Optional[float]
     checkpoint: Optional[str]
@@ -134,6 +135,8 @@ def train(cfg: TrainConfig) -> TrainSummary:
     last_loss, valid_loss, valid_step, preempted = None, None, None, False
     saved, saved_step = load_path, (state.step if load_path is not None else None)
     engine.train(True)
+    first_step = state.step
+    exit_interval = cfg.schedule.exit_interval
     with PreemptionHandler() as preemption:
         while state.step < cfg.schedule.train_steps:
             t0 = time.perf_counter()
@@ -160,15 +163,20 @@ def train(cfg: TrainConfig) -> TrainSummary:
                 log.log_eval(state.step, valid_loss)
             manager.finalize_pending()
             preempted = preemption.stop_requested()
+            exiting = bool(exit_interval) and state.step - first_step >= exit_interval
             interval = cfg.checkpoint.save_interval
-            if preempted or (interval and state.step % interval == 0):
+            if preempted or exiting or (interval and state.step % interval == 0):
                 saved, saved_step = manager.save(engine, state, meta_extra), state.step
                 log.message(f"saved checkpoint {saved}")
             if preempted:
                 log.message(f"preemption signal received: stopped after step {state.step}")
                 log.event("preempted", state.step)
                 break
-    if not preempted:
+            if exiting:
+                log.message(f"schedule.exit_interval: stopped after step {state.step}")
+                break
+    finished = state.step >= cfg.schedule.train_steps
+    if finished:
         if saved_step != state.step:
             saved, saved_step = manager.save(engine, state, meta_extra), state.step
             log.message(f"saved checkpoint {saved}")
@@ -176,6 +184,22 @@ def train(cfg: TrainConfig) -> TrainSummary:
             valid_loss = evaluate()
             log.log_eval(state.step, valid_loss)
     manager.close()
+    digest = parameters_sha256(model)
+    log.event("end", state.step, params_sha256=digest, finished=finished, preempted=preempted)
     log.close()
-    return TrainSummary(state.step, last_loss, valid_loss, str(saved) if saved else None,
-                        cfg.logging.dir, preempted)
+    return TrainSummary(state.step, digest, last_loss, valid_loss,
+                        str(saved) if saved else None, cfg.logging.dir, preempted)
+
+
+def parameters_sha256(model) -> str:
+    """A digest of the full (gathered) parameters: equal digests mean bitwise-equal models."""
+    import hashlib
+
+    from megatron_iiet.model.sharding import gather_full
+
+    full = gather_full(model, dict(model.named_parameters()))
+    h = hashlib.sha256()
+    for name in sorted(full):
+        h.update(name.encode())
+        h.update(full[name].detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
