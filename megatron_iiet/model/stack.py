@@ -219,7 +219,11 @@ class ODEStack(MegatronModule):
         for name, module in self.named_children():
             if module is self.layers:
                 continue
-            module_sd = sharded_state_dict_default(module, f"{prefix}{name}.", (), metadata)
+            # The TP group must be explicit: megatron-core 0.16 otherwise gives every TP rank
+            # replica id 0 (all "main" copies) once metadata carries the DP group.
+            module_sd = sharded_state_dict_default(
+                module, f"{prefix}{name}.", (), metadata,
+                tp_group=parallel_state.get_tensor_model_parallel_group())
             if module is self.shared:
                 _mark_pipeline_replicas(module_sd)
             out.update(module_sd)
