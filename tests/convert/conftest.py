@@ -1,0 +1,74 @@
+"""Session fixtures of the conversion tests: a tokenizer + corpus, megatron checkpoints of every
+variant at TP=1 / TP=2 / PP=2 (written by the trainer's checkpoint code in 2 spawned ranks), and
+their HF exports (converted in one spawned process). Few processes, because each one pays
+megatron's ~8 s import."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    from megatron_iiet.data.prepare import prepare_builtin_corpus
+
+    from tests.convert.workers import TOKENIZER_VOCAB
+
+    root = tmp_path_factory.mktemp("convert_data")
+    return prepare_builtin_corpus(str(root), vocab_size=TOKENIZER_VOCAB, corpus_size="128KB")
+
+
+@pytest.fixture(scope="session")
+def checkpoints(corpus, tmp_path_factory):
+    """(root with <variant>-<layout> checkpoint roots, {(variant, layout): megatron logits})."""
+    from megatron_iiet.distributed import spawn_local
+
+    from tests.convert.workers import write_checkpoints
+
+    root = tmp_path_factory.mktemp("megatron_ckpts")
+    logits = spawn_local(write_checkpoints, 2, timeout_s=600, root=str(root),
+                         tokenizer=corpus.tokenizer_model, fingerprint=corpus.fingerprint)[0]
+    return root, logits
+
+
+@pytest.fixture(scope="session")
+def converted(checkpoints, tmp_path_factory):
+    """out/hf/<variant>-<layout> exports, out/meg/<variant> and out/back/<variant> round trips."""
+    from megatron_iiet.distributed import spawn_local
+
+    from tests.convert.workers import convert_all
+
+    out = tmp_path_factory.mktemp("converted")
+    spawn_local(convert_all, 1, timeout_s=600, root=str(checkpoints[0]), out=str(out))
+    return out
+
+
+def run_cli(*args, timeout=300, env=None):
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    return subprocess.run([sys.executable, str(REPO / "tools" / "convert_checkpoint.py"),
+                           *map(str, args)], cwd=REPO, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def hf_state(folder) -> dict[str, torch.Tensor]:
+    from megatron_iiet.hf.release_import import find_weight_files, load_tensors
+
+    return load_tensors(find_weight_files(Path(folder)))
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tiny tensors: one thread avoids oversubscribing the 2 shared cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

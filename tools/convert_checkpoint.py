@@ -1,0 +1,111 @@
+#!/usr/bin/env python
+"""Convert between megatron_iiet training checkpoints and Hugging Face folders.
+
+    # megatron (any TP/PP, megatron or DeepSpeed engine) -> HF
+    python tools/convert_checkpoint.py megatron-to-hf CKPT OUT_DIR [--dtype fp32|bf16|fp16]
+        [--trim-vocab] [--max-shard-size 2GB] [--tokenizer PATH | --no-tokenizer]
+        [--expect-architecture iiet] [--force]
+
+    # HF (ours, or the authors' release layout) -> megatron, model only, at a chosen layout
+    python tools/convert_checkpoint.py hf-to-megatron HF_DIR OUT_ROOT [--tp 2] [--pp 2]
+        [--precision fp32|bf16|fp16] [--iterations 3 | 3,2,1,0,...] [--force]
+
+CKPT is a checkpoint root (with `latest`) or one iter_* directory. OUT_ROOT receives `latest`
+and iter_0000000/ (meta.json marked model_only); continue training from it with
+`pretrain_iiet.py --set checkpoint.load=OUT_ROOT` (fresh optimizer, step 0; resume that run
+later with the default checkpoint.load=auto). Outputs are written to a temporary folder and
+renamed into place; an existing output is replaced only with --force. Bad input exits with
+code 2 and a one-line reason. Mapping and details: docs/hf.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ARCHITECTURES = ("vanilla", "ode_rk2", "ode_rk2_gated", "ode_rk4", "pcformer_rk2",
+                 "pcformer_rk4", "iiet")
+
+
+def parse_iterations(text):
+    """'3' -> 3 (every layer); '3,2,1,0' -> one entry per layer."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int or a comma list of ints, got {text!r}")
+    return values[0] if len(values) == 1 else values
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="direction", required=True)
+
+    to_hf = sub.add_parser("megatron-to-hf", help="export a training checkpoint as an HF folder")
+    to_hf.add_argument("checkpoint", help="checkpoint root (with `latest`) or an iter_* dir")
+    to_hf.add_argument("out_dir", type=Path)
+    to_hf.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    to_hf.add_argument("--trim-vocab", action="store_true",
+                       help="cut the vocabulary padding (to the tokenizer's size)")
+    to_hf.add_argument("--max-shard-size", default="2GB")
+    to_hf.add_argument("--tokenizer", help="tokenizer to ship (default: the one in meta.json)")
+    to_hf.add_argument("--no-tokenizer", action="store_true", help="write the weights only")
+
+    to_meg = sub.add_parser("hf-to-megatron", help="HF folder -> model-only training checkpoint")
+    to_meg.add_argument("hf_dir", type=Path)
+    to_meg.add_argument("out_dir", type=Path, help="checkpoint root to create")
+    to_meg.add_argument("--tp", type=int, default=1, help="tensor-parallel size to write")
+    to_meg.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to write")
+    to_meg.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    to_meg.add_argument("--iterations", type=parse_iterations, default=None,
+                        help="IIET iteration plan to record (default: the folder's)")
+
+    for p in (to_hf, to_meg):
+        p.add_argument("--expect-architecture", choices=ARCHITECTURES,
+                       help="refuse a source of another architecture")
+        p.add_argument("--force", action="store_true", help="replace the output if it exists")
+        p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from megatron_iiet.hf.convert import ConversionError, export_to_hf, import_from_hf
+
+    start = time.perf_counter()
+
+    def progress(line: str) -> None:
+        if not args.quiet:
+            print(f"[{time.perf_counter() - start:6.1f}s] {line}", file=sys.stderr, flush=True)
+
+    try:
+        if args.direction == "megatron-to-hf":
+            s = export_to_hf(args.checkpoint, args.out_dir, dtype=args.dtype,
+                             trim_vocab=args.trim_vocab, max_shard_size=args.max_shard_size,
+                             force=args.force, expect_architecture=args.expect_architecture,
+                             tokenizer=args.tokenizer, with_tokenizer=not args.no_tokenizer,
+                             progress=progress)
+            print(f"wrote {s.output}: {s.architecture}, {s.parameters / 1e6:.2f}M parameters "
+                  f"({s.dtype}), vocab {s.vocab_size}, {len(s.weight_files)} weight file(s), "
+                  f"tokenizer {s.tokenizer or 'none'}; from {s.source} (step {s.step}, layout "
+                  f"{s.source_layout}) in {s.seconds:.1f}s")
+        else:
+            s = import_from_hf(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp,
+                               precision=args.precision, iterations=args.iterations,
+                               force=args.force, expect_architecture=args.expect_architecture,
+                               progress=progress)
+            print(f"wrote {s.output}: {s.architecture} model-only checkpoint, TP={s.layout['tensor']}"
+                  f" PP={s.layout['pipeline']}, vocab {s.vocab_size}, {s.precision}, tokenizer "
+                  f"{s.tokenizer or 'none'} in {s.seconds:.1f}s")
+    except ConversionError as err:
+        print(f"convert_checkpoint: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # the guard matters: dist_checkpointing's writer re-imports __main__
+    sys.exit(main())
