@@ -18,7 +18,6 @@ re-seeded deterministically from (seed, step) instead.
 from __future__ import annotations
 
 import contextlib
-import contextlib
 import json
 import os
 import random
@@ -301,30 +300,6 @@ def load(engine, path: Path, seed: int) -> TrainingState:
 
         seed_everything(seed + meta["step"])
     return TrainingState(meta["step"], meta["consumed_samples"], meta.get("skipped_steps", 0))
-
-
-def _load_model_only(engine, path: Path, seed: int) -> TrainingState:
-    """Weights only (e.g. converted from HF by tools/convert_checkpoint.py): the optimizer and
-    schedule start fresh, at step 0."""
-    from megatron_iiet.distributed import seed_everything
-
-    gathered = contextlib.nullcontext()
-    if engine.name == "deepspeed" and engine.model.zero_optimization_stage() == 3:
-        import deepspeed
-
-        gathered = deepspeed.zero.GatheredParameters(list(engine.module.parameters()),
-                                                     modifier_rank=0)
-    with gathered:
-        loaded = dist_checkpointing.load({"model": engine.module.sharded_state_dict()}, str(path))
-        engine.module.load_state_dict(loaded["model"])
-    # Optimizers holding fp32 master copies (bf16/fp16, ZeRO partitions) built them from the
-    # initial weights: refresh them from the loaded ones.
-    if engine.name == "megatron":
-        engine.optimizer.reload_model_params()
-    elif hasattr(engine.model.optimizer, "refresh_fp32_params"):
-        engine.model.optimizer.refresh_fp32_params()
-    seed_everything(seed)
-    return TrainingState()
 
 
 def _load_model_only(engine, path: Path, seed: int) -> TrainingState:
