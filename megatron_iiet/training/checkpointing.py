@@ -134,6 +134,7 @@ class CheckpointManager:
 
     # ---- saving ----------------------------------------------------------------------------
     def save(self, engine, state: TrainingState, meta_extra: dict) -> Path:
+        rng = rng_state()  # before anything below could draw from a generator
         name = f"iter_{state.step:07d}"
         final = self.root / name
         partial = self.root / (name + PARTIAL_SUFFIX)
@@ -144,12 +145,14 @@ class CheckpointManager:
         _barrier()
 
         model = engine.module
-        sharded = {"model": _sharded_model_state(engine)}
-        if engine.name == "megatron":
-            sharded["optimizer"] = engine.optimizer.sharded_state_dict(sharded["model"])
-        request = dist_checkpointing.save(sharded, str(partial), async_sharded_save=self.async_save)
+        with engine.full_parameters():
+            sharded = {"model": model.sharded_state_dict()}
+            if engine.name == "megatron":
+                sharded["optimizer"] = engine.optimizer.sharded_state_dict(sharded["model"])
+            request = dist_checkpointing.save(sharded, str(partial),
+                                              async_sharded_save=self.async_save)
         (partial / "rng").mkdir(exist_ok=True)
-        torch.save(rng_state(), partial / "rng" / f"rank{_rank()}.pt")
+        torch.save(rng, partial / "rng" / f"rank{_rank()}.pt")
         if engine.name == "deepspeed":
             engine.model.save_checkpoint(str(partial / "deepspeed"), tag="state",
                                          save_latest=False)
@@ -217,10 +220,11 @@ class CheckpointManager:
 
 
 def _fault_injection_pause(partial: Path) -> None:
-    """Tests of interrupted saves set IIET_TEST_PAUSE_IN_SAVE=<marker file>: the save announces
-    itself there and waits, so a signal can be sent while the checkpoint is half written."""
+    """Tests of interrupted saves set IIET_TEST_PAUSE_IN_SAVE=<marker file>: the first save
+    announces itself there and waits, so a signal can arrive while the checkpoint is half
+    written."""
     marker = os.environ.get("IIET_TEST_PAUSE_IN_SAVE")
-    if marker and _rank() == 0:
+    if marker and _rank() == 0 and not Path(marker).exists():
         import time
 
         Path(marker).write_text(str(partial))
@@ -257,15 +261,6 @@ def check_compatible(meta: dict, model_config, tokenizer_fingerprint: Optional[s
         raise CheckpointError(
             f"{path}: trained with tokenizer {saved_fp}, but the configured data uses "
             f"{tokenizer_fingerprint}")
-
-
-def _sharded_model_state(engine):
-    if engine.name == "deepspeed" and engine.model.zero_optimization_stage() == 3:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-            return {k: v for k, v in engine.module.sharded_state_dict().items()}
-    return engine.module.sharded_state_dict()
 
 
 def load(engine, path: Path, seed: int) -> TrainingState:

@@ -181,6 +181,8 @@ def micro_batch_loader(dataset, consumed_samples: int, micro_batch_size: int, dp
     """This rank's micro-batches in global order, starting after ``consumed_samples``."""
     sampler = MicroBatchSampler(total_samples or len(dataset), consumed_samples,
                                 micro_batch_size, dp_rank, dp_size)
+    # Its own generator: a loader with workers otherwise draws its base seed from the global
+    # generator, shifting dropout masks whenever a loader is (re)created, e.g. after a resume.
     loader = DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                        persistent_workers=False, collate_fn=None)
+                        persistent_workers=False, generator=torch.Generator().manual_seed(0))
     return (_to_model_batch(b) for b in loader)

@@ -12,6 +12,7 @@ megatron's OptimizerParamScheduler, so they follow the same trajectory.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -63,6 +64,28 @@ def build_scheduler(cfg: TrainConfig, optimizer) -> OptimizerParamScheduler:
 
 def _current_lr(optimizer) -> float:
     return float(optimizer.param_groups[0]["lr"])
+
+
+def _inner_torch_optimizers(optimizer):
+    """The torch optimizers under megatron's / DeepSpeed's wrappers (chained or nested)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    found = []
+    for child in getattr(optimizer, "chained_optimizers", None) or [getattr(optimizer, "optimizer", None)]:
+        if child is not None and child is not optimizer:
+            found += _inner_torch_optimizers(child)
+    return found
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of optimizer state this rank holds (moments; ZeRO shards them over DP)."""
+    total = 0
+    for opt in _inner_torch_optimizers(optimizer):
+        for state in opt.state.values():
+            for v in state.values():
+                if torch.is_tensor(v) and v.numel() > 1:
+                    total += v.numel() * v.element_size()
+    return total
 
 
 class MegatronEngine:
@@ -117,6 +140,10 @@ class MegatronEngine:
     @torch.no_grad()
     def eval_step(self, micro_batches: list[dict]) -> float:
         return _global_mean_loss(forward_backward(self.model, micro_batches, forward_only=True))
+
+    def full_parameters(self, modify: bool = False):
+        """Parameters are always whole on their rank here."""
+        return contextlib.nullcontext()
 
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)
@@ -230,6 +257,16 @@ class DeepSpeedEngine:
     @torch.no_grad()
     def eval_step(self, micro_batches: list[dict]) -> float:
         return _global_mean_loss([self._loss(b).item() for b in micro_batches])
+
+    def full_parameters(self, modify: bool = False):
+        """ZeRO-3 partitions parameters over DP: gather them (and, when ``modify``, scatter
+        rank 0's changes back on exit) for checkpoint I/O."""
+        if self.model.zero_optimization_stage() != 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.module.parameters()),
+                                                 modifier_rank=0 if modify else None)
 
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)

@@ -18,8 +18,10 @@ import torch
 def measured_peak_flops(dtype: torch.dtype = torch.float32, n: int = 2048) -> float:
     """This device's achievable dense GEMM rate: the denominator of MFU."""
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    # values do not matter; a private generator keeps the training RNG streams untouched
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=g, dtype=dtype).to(device)
+    b = torch.randn(n, n, generator=g, dtype=dtype).to(device)
     a @ b
     best = math.inf
     for _ in range(3):

@@ -74,7 +74,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
     from megatron_iiet.model.sharding import init_layout_independent
     from megatron_iiet.training import checkpointing as ckpt
     from megatron_iiet.training.data import build_datasets, micro_batch_loader, resolve_sources
-    from megatron_iiet.training.engines import build_engine
+    from megatron_iiet.training.engines import build_engine, optimizer_state_bytes
     from megatron_iiet.training.metrics import (
         MetricsLogger, Throughput, measured_peak_flops, memory_mb, optional_float)
     from megatron_iiet.training.signals import PreemptionHandler
@@ -105,8 +105,11 @@ def train(cfg: TrainConfig) -> TrainSummary:
     init_layout_independent(model, cfg.seed)
     engine = build_engine(cfg, model)
     state = ckpt.TrainingState()
+    load_seconds = None
     if load_path is not None:
+        t0 = time.perf_counter()
         state = ckpt.load(engine, load_path, cfg.seed)
+        load_seconds = time.perf_counter() - t0
 
     num_micro = par.global_batch_size // (par.micro_batch_size * dp)
     seq = cfg.data.seq_length
@@ -117,9 +120,20 @@ def train(cfg: TrainConfig) -> TrainSummary:
                         cfg.logging.tensorboard, cfg.logging.progress_bar)
     if load_path is not None:
         log.message(f"resumed from {load_path} at step {state.step}")
-        log.event("resume", state.step, path=str(load_path))
+        log.event("resume", state.step, path=str(load_path), seconds=load_seconds)
     meta_extra = {"config": cfg.to_dict(), "tokenizer_fingerprint": sources.tokenizer.fingerprint,
                   "tokenizer": str(sources.tokenizer.path)}
+
+    def save():
+        t0 = time.perf_counter()
+        path = manager.save(engine, state, meta_extra)
+        seconds = time.perf_counter() - t0
+        size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) if (
+            rank == 0 and Path(path).exists()) else None
+        log.event("checkpoint", state.step, path=str(path), seconds=seconds, bytes=size,
+                  async_save=cfg.checkpoint.async_save)
+        log.message(f"saved checkpoint {path} ({seconds:.2f} s)")
+        return path
 
     def evaluate() -> float:
         engine.train(False)
@@ -157,6 +171,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
                 log.log_step(state.step, loss=result.loss, lr=result.lr,
                              grad_norm=optional_float(result.grad_norm),
                              skipped_steps=state.skipped_steps, **throughput(seconds),
+                             optimizer_state_mb=optimizer_state_bytes(engine.optimizer) / 2**20,
                              **memory_mb())
             if cfg.eval.interval and state.step % cfg.eval.interval == 0:
                 valid_loss, valid_step = evaluate(), state.step
@@ -166,8 +181,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
             exiting = bool(exit_interval) and state.step - first_step >= exit_interval
             interval = cfg.checkpoint.save_interval
             if preempted or exiting or (interval and state.step % interval == 0):
-                saved, saved_step = manager.save(engine, state, meta_extra), state.step
-                log.message(f"saved checkpoint {saved}")
+                saved, saved_step = save(), state.step
             if preempted:
                 log.message(f"preemption signal received: stopped after step {state.step}")
                 log.event("preempted", state.step)
@@ -178,8 +192,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
     finished = state.step >= cfg.schedule.train_steps
     if finished:
         if saved_step != state.step:
-            saved, saved_step = manager.save(engine, state, meta_extra), state.step
-            log.message(f"saved checkpoint {saved}")
+            saved, saved_step = save(), state.step
         if valid_step != state.step:
             valid_loss = evaluate()
             log.log_eval(state.step, valid_loss)

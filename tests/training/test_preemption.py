@@ -1,0 +1,75 @@
+"""SIGTERM finishes the step, saves and exits 0; an interrupted save never breaks `latest`."""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.training.conftest import base_overrides, check_ok, launch, records, train_losses
+
+
+def _wait_for(predicate, timeout=240, proc=None):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process exited early ({proc.returncode}):\n{proc.stdout.read()}")
+        time.sleep(0.2)
+    raise AssertionError("timed out waiting")
+
+
+def _latest(log_dir) -> str:
+    return (Path(log_dir) / "checkpoints" / "latest").read_text().strip()
+
+
+def test_sigterm_during_training_saves_and_resumes(tiny_data, tmp_path):
+    log = tmp_path / "run"
+    long_run = {"schedule.train_steps": 400, "checkpoint.save_interval": 0}
+    proc = launch(base_overrides(tiny_data, log, **long_run), wait=False)
+    _wait_for(lambda: len(records(log, "train")) >= 3, proc=proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-3000:]
+    stopped = records(log, "preempted")[0]["step"]
+    assert _latest(log) == f"iter_{stopped:07d}"
+    assert max(train_losses(log)) == stopped
+
+    check_ok(launch(base_overrides(tiny_data, log, **{"schedule.train_steps": stopped + 2}),
+                    nproc=1))
+    assert records(log, "resume")[-1]["step"] == stopped
+    assert max(train_losses(log)) == stopped + 2
+
+
+def test_interrupted_saves_keep_a_valid_latest(tiny_data, tmp_path):
+    log = tmp_path / "run"
+    marker = tmp_path / "saving"
+    settings = {"schedule.train_steps": 6, "checkpoint.save_interval": 2}
+    env = {"IIET_TEST_PAUSE_IN_SAVE": str(marker), "IIET_TEST_PAUSE_SECONDS": "30"}
+
+    # SIGKILL while the step-2 checkpoint is half written: nothing valid yet, no `latest`.
+    proc = launch(base_overrides(tiny_data, log, **settings), env=env, wait=False)
+    _wait_for(marker.exists, proc=proc)
+    proc.kill()
+    proc.communicate()
+    assert not (log / "checkpoints" / "latest").exists()
+    assert list((log / "checkpoints").glob("*.partial"))
+
+    # SIGTERM during the step-2 save: the save completes, the job stops cleanly after the next
+    # step with its checkpoint, and `latest` points at it.
+    marker.unlink()
+    proc = launch(base_overrides(tiny_data, log, **settings), env=env, wait=False)
+    _wait_for(marker.exists, proc=proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-3000:]
+    assert not list((log / "checkpoints").glob("*.partial")), "stale partial save not removed"
+    stopped = records(log, "preempted")[-1]["step"]
+    assert _latest(log) == f"iter_{stopped:07d}"
+
+    # Resume from it to the end (no pausing now).
+    check_ok(launch(base_overrides(tiny_data, log, **settings), nproc=1))
+    assert records(log, "resume")[-1]["step"] == stopped
+    assert records(log, "end")[-1]["step"] == 6
