@@ -3,28 +3,37 @@
 # Gutenberg books of the shared data, validated on WikiText-2 (raw) valid.
 #
 #   usage: bash examples/cpu_compare.sh [--prepare-only] [--nproc N] [--runs "vanilla pcformer iiet"]
+#                                       [--runs-dir DIR] [-- pretrain_iiet.py options]
 #
 #   --prepare-only  strip the Gutenberg boilerplate, train the tokenizer, preprocess both corpora,
 #                   then stop (a few minutes on 2 cores)
 #   --nproc N       processes per training run (default 2: data parallel over 2 CPU cores)
 #   --runs LIST     which of vanilla / pcformer / iiet to train (default: all three, in that order)
+#   --runs-dir DIR  where the runs' logs and checkpoints go (default $OUT: $OUT/vanilla, ...)
+#   -- ARGS         passed to every pretrain_iiet.py run, e.g. a 5-step smoke test of the recipe:
+#                   --runs-dir outputs/cpu_compare_smoke -- --set schedule.train_steps=5 \
+#                   --set schedule.warmup_steps=1
 #
 # Environment: PYTHON (default .venv/bin/python), IIET_SHARED_DATA (default ../shared/data, the
 # directory holding gutenberg/ and wikitext-2-raw/), OUT (default outputs/cpu_compare).
 # Everything is written under $OUT; nothing goes into the repository. Steps that are already
 # done (tokenizer, datasets) are reused; a training run resumes from its last checkpoint.
-# Expected time on 2 (otherwise idle) CPU cores: see the header of each examples/cpu_compare_*.yaml.
+# Expected time (2 CPU cores): ~12 / 24 / 33 min per run, see each examples/cpu_compare_*.yaml.
 set -euo pipefail
 
-usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; }
 PREPARE_ONLY=0
 NPROC=2
 RUNS="vanilla pcformer iiet"
+RUNS_DIR=""
+EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --prepare-only) PREPARE_ONLY=1 ;;
     --nproc) NPROC=${2:?--nproc needs a number}; shift ;;
     --runs) RUNS=${2:?--runs needs a list}; shift ;;
+    --runs-dir) RUNS_DIR=${2:?--runs-dir needs a directory}; shift ;;
+    --) shift; EXTRA=("$@"); break ;;
     -h|--help) usage; exit 0 ;;
     *) echo "error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -35,6 +44,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 SHARED=${IIET_SHARED_DATA:-../shared/data}
 OUT=${OUT:-outputs/cpu_compare}
+RUNS_DIR=${RUNS_DIR:-$OUT}
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONWARNINGS=ignore
 
 [ -d "$SHARED/gutenberg" ] || { echo "error: $SHARED/gutenberg not found (set IIET_SHARED_DATA)" >&2; exit 2; }
@@ -103,9 +113,10 @@ for run in $RUNS; do
   echo "== training $config with $NPROC processes"
   OMP_NUM_THREADS=$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 )) \
     "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
-    pretrain_iiet.py --config "$config" --set logging.progress_bar=false
-  LOGDIRS+=("$OUT/$run")
+    pretrain_iiet.py --config "$config" --set logging.progress_bar=false \
+    --set "logging.dir=$RUNS_DIR/$run" "${EXTRA[@]}"
+  LOGDIRS+=("$RUNS_DIR/$run")
 done
 
 # 5. Final validation loss / perplexity of each run (and a PNG of the curves if matplotlib is there).
-"$PY" tools/compare_runs.py "${LOGDIRS[@]}" --plot "$OUT/compare.png"
+"$PY" tools/compare_runs.py "${LOGDIRS[@]}" --plot "$RUNS_DIR/compare.png"
