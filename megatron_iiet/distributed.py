@@ -42,11 +42,16 @@ def initialize(
     if not dist.is_initialized():
         rank = _env_int("RANK", "SLURM_PROCID", default=0)
         world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
+        local = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
+        # Libraries that read the torchrun variables (DeepSpeed) see the same answers under
+        # srun or a plain `python` launch.
+        for name, value in (("RANK", rank), ("WORLD_SIZE", world), ("LOCAL_RANK", local)):
+            os.environ.setdefault(name, str(value))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
         backend = "nccl" if cuda_available() else "gloo"
         if cuda_available():
-            torch.cuda.set_device(_env_int("LOCAL_RANK", "SLURM_LOCALID", default=0))
+            torch.cuda.set_device(local)
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     world = dist.get_world_size()

@@ -204,3 +204,39 @@ def preset_parameter_counts(names):
                 model = IIETModel(cfg)
             counts[(name, arch)] = sum(p.numel() for p in model.parameters())
     return counts
+
+
+def nonfinite_steps_are_skipped(engine_name: str):
+    """A step whose loss is NaN changes nothing; the next finite step updates as usual."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_iiet.training.config import TrainConfig
+    from megatron_iiet.training.engines import build_engine, init_deepspeed_distributed
+
+    if engine_name == "deepspeed":
+        init_deepspeed_distributed()
+    cfg = TrainConfig()
+    cfg.parallel.engine = engine_name
+    cfg.parallel.micro_batch_size, cfg.parallel.global_batch_size = 2, 4
+    cfg.schedule.warmup_steps = 2
+    model = build_tiny(("iiet", "history", None))
+    engine = build_engine(cfg, model)
+    batches = micro_batches(n=2, batch=2, seq=16)
+    embedding = model.embedding.word_embeddings.weight
+    token = int(batches[0]["input_ids"][0, 0])
+    with torch.no_grad():
+        saved_row = embedding[token].clone()
+        embedding[token] = float("nan")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    poisoned = engine.train_step(batches)
+    unchanged = all(torch.equal(before[n], p) or n == "embedding.word_embeddings.weight"
+                    for n, p in model.named_parameters())
+    row_untouched = torch.isnan(embedding[token]).all().item()
+    with torch.no_grad():
+        embedding[token] = saved_row
+    healthy = engine.train_step(batches)
+    changed = any(not torch.equal(before[n], p) for n, p in model.named_parameters()
+                  if n != "embedding.word_embeddings.weight")
+    return {"poisoned_skipped": poisoned.skipped, "unchanged": unchanged and row_untouched,
+            "healthy_skipped": healthy.skipped, "healthy_changed": changed,
+            "healthy_loss_finite": healthy.loss == healthy.loss}

@@ -635,8 +635,7 @@ def import_from_hf(src, dst, tp: int = 1, pp: int = 1, precision: str = "fp32",
                    progress: Progress = _quiet) -> ImportSummary:
     """Write a model-only megatron checkpoint root `dst` (latest + iter_0000000) for `src`."""
     from megatron_iiet.hf.release_import import write_atomically
-    from megatron_iiet.training.checkpointing import architecture_signature
-    from megatron_iiet.training.trainer import padded_vocab_size
+    from megatron_iiet.training.trainer import padded_vocab_size  # cheap: no megatron import
 
     start = time.perf_counter()
     src, dst = Path(src), Path(dst)
@@ -664,11 +663,14 @@ def import_from_hf(src, dst, tp: int = 1, pp: int = 1, precision: str = "fp32",
     # meta.json names the tokenizer where it will be once the folder is renamed into place.
     final_tokenizer_dir = dst.resolve() / name / "tokenizer"
 
+    tokenizer_file, fingerprint = _source_tokenizer(src, vocab)
+    tokenizer_path = None if tokenizer_file is None else str(final_tokenizer_dir / tokenizer_file)
+
     def fill(root: Path):
+        from megatron_iiet.training.checkpointing import architecture_signature
+
         ckpt = root / name
         ckpt.mkdir()
-        tokenizer_path, fingerprint = _copy_tokenizer(src, ckpt / "tokenizer",
-                                                      final_tokenizer_dir, vocab)
         train_cfg = train_config_for_hf(hf_config, tokenizer_path, precision, tp, pp)
         model_cfg = single_process_model_config(train_cfg, vocab)
         meg = hf_to_megatron_tensors(hf, model_cfg)
@@ -687,6 +689,11 @@ def import_from_hf(src, dst, tp: int = 1, pp: int = 1, precision: str = "fp32",
 
             spawn_local(write_rank_shard, tp * pp, tp, pp, timeout_s=3600.0, **kwargs)
         state_file.unlink()
+        if tokenizer_path is not None:  # after the save: dist_checkpointing wants an empty dir
+            (ckpt / "tokenizer").mkdir()
+            for f in HF_TOKENIZER_FILES:
+                if (src / f).is_file():
+                    shutil.copy2(src / f, ckpt / "tokenizer" / f)
         meta = {
             "config": train_cfg.to_dict(),
             "architecture": architecture_signature(model_cfg),
@@ -712,25 +719,25 @@ def import_from_hf(src, dst, tp: int = 1, pp: int = 1, precision: str = "fp32",
                          time.perf_counter() - start)
 
 
-def _copy_tokenizer(src: Path, into: Path, final_dir: Path, vocab: int):
-    """Copy the HF folder's tokenizer files; (path the trainer will read, fingerprint)."""
+def _source_tokenizer(src: Path, vocab: int):
+    """(file name inside the copied tokenizer dir, or "" for the dir itself; fingerprint), or
+    (None, None) when the HF folder ships no tokenizer."""
     from megatron_iiet.data.tokenizer import Tokenizer
     from megatron_iiet.training.trainer import padded_vocab_size
 
     present = [f for f in HF_TOKENIZER_FILES if (src / f).is_file()]
     if not present:
         return None, None
-    into.mkdir()
-    for f in present:
-        shutil.copy2(src / f, into / f)
     # A sentencepiece .model is preferred when present: it is what the data tools read.
-    file_name = "tokenizer.model" if "tokenizer.model" in present else None
-    tok = Tokenizer.from_path(into / file_name if file_name else into)
+    file_name = "tokenizer.model" if "tokenizer.model" in present else ""
+    try:
+        tok = Tokenizer.from_path(src / file_name if file_name else src)
+    except ValueError as err:
+        raise ConversionError(f"{src}: unusable tokenizer files ({err})") from err
     if padded_vocab_size(tok.vocab_size) != vocab:
         raise ConversionError(f"{src}: the tokenizer has {tok.vocab_size} tokens and the model "
                               f"{vocab} (padded): they do not belong together")
-    final = final_dir / file_name if file_name else final_dir
-    return str(final), tok.fingerprint
+    return file_name, tok.fingerprint
 
 
 __all__ = [

@@ -10,18 +10,10 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+# The exported HF code is the one list of architecture names (it must stay self-contained).
+from megatron_iiet.hf.configuration_iiet import ARCHITECTURES, FORMULATIONS
 from megatron_iiet.platform import cuda_available
 
-ARCHITECTURES = (
-    "vanilla",
-    "ode_rk2",
-    "ode_rk2_gated",
-    "ode_rk4",
-    "pcformer_rk2",
-    "pcformer_rk4",
-    "iiet",
-)
-FORMULATIONS = ("history", "fixed_point")
 ITERATION_CHECKPOINTING = ("none", "all_passes", "all_but_last_pass")
 
 

@@ -180,6 +180,12 @@ def _check_type(value: Any, annotation: Any, where: str) -> Any:
         return [_check_type(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
     if annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
+    if annotation is float and isinstance(value, str):
+        # PyYAML reads exponents without a dot ("3e-4") as strings
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"{where}: expected a number, got {value!r}") from None
     if annotation in (int, str, bool) and not (
         isinstance(value, annotation) and not (annotation is int and isinstance(value, bool))
     ):
@@ -244,6 +250,20 @@ def validate(cfg: TrainConfig, world_size: Optional[int] = None) -> None:
         raise ValueError(f"parallel.engine: unknown {par.engine!r} (megatron | deepspeed)")
     if par.precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"parallel.precision: unknown {par.precision!r} (fp32 | bf16 | fp16)")
+    if par.engine == "megatron" and par.precision != "fp32":
+        from megatron_iiet.platform import cuda_available
+
+        if not cuda_available():
+            raise ValueError(
+                f"parallel.precision: {par.precision} with the megatron engine needs CUDA "
+                "(its mixed-precision optimizer is GPU-only); use fp32 or parallel.engine=deepspeed")
+    if par.use_distributed_optimizer and par.engine == "megatron":
+        from megatron_iiet.platform import cuda_available
+
+        if not cuda_available():
+            raise ValueError(
+                "parallel.use_distributed_optimizer: megatron's distributed optimizer needs CUDA; "
+                "on CPU shard optimizer state with parallel.engine=deepspeed (ZeRO)")
     if par.engine == "deepspeed" and par.pipeline != 1:
         raise ValueError("parallel.pipeline: the deepspeed engine runs with pipeline=1")
     if par.zero_stage not in (0, 1, 2, 3):

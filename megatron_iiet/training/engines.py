@@ -66,6 +66,13 @@ def _current_lr(optimizer) -> float:
     return float(optimizer.param_groups[0]["lr"])
 
 
+def _advance_schedule(scheduler, optimizer) -> float:
+    """Set the learning rate of the update about to happen: update k (1-based) uses the
+    schedule's value at k, so warm-up never spends its first step at lr 0."""
+    scheduler.step(increment=1)
+    return _current_lr(optimizer)
+
+
 def _inner_torch_optimizers(optimizer):
     """The torch optimizers under megatron's / DeepSpeed's wrappers (chained or nested)."""
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -131,11 +138,12 @@ class MegatronEngine:
         loss = _global_mean_loss(losses)
         if not math.isfinite(loss):
             return StepResult(loss, None, True, _current_lr(self.optimizer))
+        lr = _advance_schedule(self.scheduler, self.optimizer)
         ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            return StepResult(loss, None, True, _current_lr(self.optimizer))
-        self.scheduler.step(increment=1)
-        return StepResult(loss, grad_norm, False, _current_lr(self.optimizer))
+        if not ok:  # fp16 overflow: no update, so the schedule does not advance either
+            self.scheduler.step(increment=-1)
+            return StepResult(loss, None, True, lr)
+        return StepResult(loss, grad_norm, False, lr)
 
     @torch.no_grad()
     def eval_step(self, micro_batches: list[dict]) -> float:
@@ -248,11 +256,10 @@ class DeepSpeedEngine:
             self.model.zero_grad()
             self.model.micro_steps += 1
             return StepResult(mean, None, True, _current_lr(self.optimizer))
+        lr = _advance_schedule(self.scheduler, self.optimizer)
         self.model.step()
-        self.scheduler.step(increment=1)
         norm = self.model.get_global_grad_norm()
-        return StepResult(mean, None if norm is None else float(norm), False,
-                          _current_lr(self.optimizer))
+        return StepResult(mean, None if norm is None else float(norm), False, lr)
 
     @torch.no_grad()
     def eval_step(self, micro_batches: list[dict]) -> float:

@@ -42,3 +42,14 @@ def test_checkpoint_of_another_architecture(tiny_data, tmp_path):
     proc = launch(base_overrides(tiny_data, log, **{
         "checkpoint.load": str(vanilla / "checkpoints")}))
     _fails_before_training(proc, log, "another architecture", "architecture: checkpoint 'vanilla'")
+
+
+def test_mixed_precision_megatron_engine_needs_cuda(tiny_data, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("CUDA present: the megatron engine supports bf16 here")
+    proc = launch(base_overrides(tiny_data, tmp_path, **{"parallel.precision": "bf16"}))
+    _fails_before_training(proc, tmp_path, "parallel.precision", "deepspeed")
