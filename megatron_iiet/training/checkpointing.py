@@ -17,7 +17,6 @@ re-seeded deterministically from (seed, step) instead.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -269,23 +268,28 @@ def load(engine, path: Path, seed: int) -> TrainingState:
     if meta.get("model_only"):
         return _load_model_only(engine, path, seed)
     same_layout = meta["layout"] == layout() and meta.get("engine") == engine.name
-    model_sd = engine.module.sharded_state_dict()
-    request = {"model": model_sd}
-    load_optimizer = engine.name == "megatron" and meta.get("engine") == "megatron"
-    if load_optimizer:
-        request["optimizer"] = engine.optimizer.sharded_state_dict(model_sd, is_loading=True)
-    loaded = dist_checkpointing.load(request, str(path))
-    engine.module.load_state_dict(loaded["model"])
-    if load_optimizer:
-        engine.optimizer.load_state_dict(loaded["optimizer"])
     if engine.name == "deepspeed":
         if not same_layout:
             raise CheckpointError(
-                f"{path}: DeepSpeed optimizer state was saved with layout {meta['layout']} "
-                f"({meta.get('engine')} engine); resuming it needs the same layout {layout()}")
+                f"{path}: DeepSpeed state was saved with layout {meta['layout']} "
+                f"({meta.get('engine')} engine); resuming it needs the same layout {layout()} "
+                "and engine")
+        # module and ZeRO-partitioned optimizer state, in DeepSpeed's own format
         engine.model.load_checkpoint(str(path / "deepspeed"), tag="state",
                                      load_module_strict=True, load_optimizer_states=True,
                                      load_lr_scheduler_states=False)
+    else:
+        if meta.get("engine") != "megatron":
+            raise CheckpointError(
+                f"{path}: written by the {meta.get('engine')} engine; its optimizer state "
+                "cannot continue under parallel.engine=megatron")
+        model_sd = engine.module.sharded_state_dict()
+        loaded = dist_checkpointing.load(
+            {"model": model_sd,
+             "optimizer": engine.optimizer.sharded_state_dict(model_sd, is_loading=True)},
+            str(path))
+        engine.module.load_state_dict(loaded["model"])
+        engine.optimizer.load_state_dict(loaded["optimizer"])
     engine.scheduler.load_state_dict(meta["scheduler"])
     rng_file = path / "rng" / f"rank{_rank()}.pt"
     if same_layout and rng_file.is_file():
@@ -302,13 +306,7 @@ def _load_model_only(engine, path: Path, seed: int) -> TrainingState:
     schedule start fresh, at step 0."""
     from megatron_iiet.distributed import seed_everything
 
-    gathered = contextlib.nullcontext()
-    if engine.name == "deepspeed" and engine.model.zero_optimization_stage() == 3:
-        import deepspeed
-
-        gathered = deepspeed.zero.GatheredParameters(list(engine.module.parameters()),
-                                                     modifier_rank=0)
-    with gathered:
+    with engine.full_parameters(modify=True):
         loaded = dist_checkpointing.load({"model": engine.module.sharded_state_dict()}, str(path))
         engine.module.load_state_dict(loaded["model"])
     # Optimizers holding fp32 master copies (bf16/fp16, ZeRO partitions) built them from the
