@@ -4,8 +4,8 @@
 
 Every configuration runs in its own fresh process (so peak-RSS readings do not leak between
 them), one after another: one warm-up step, then the median of ``--steps`` forward+backward
-steps. "activation MB" is the process's peak RSS during the steps minus its RSS right before
-them: activations plus gradients (the gradients are the same for every architecture here).
+steps. "activation MB" is the process's peak RSS over all steps minus its RSS after building the
+model: activations plus gradients (the gradients are the same size for every architecture).
 """
 
 from __future__ import annotations
@@ -67,9 +67,8 @@ def measure(overrides: dict, shape: dict, steps: int) -> dict:
         forward_backward(model, batch)
         return time.perf_counter() - t0
 
+    rss_before = _rss_mb()  # model built, nothing run yet: the peak above this is activations
     step()  # warm-up
-    model.zero_grad(set_to_none=True)
-    rss_before = _rss_mb()
     times = [step() for _ in range(steps)]
     return {
         "step_s": statistics.median(times),
