@@ -240,3 +240,24 @@ def nonfinite_steps_are_skipped(engine_name: str):
     return {"poisoned_skipped": poisoned.skipped, "unchanged": unchanged and row_untouched,
             "healthy_skipped": healthy.skipped, "healthy_changed": changed,
             "healthy_loss_finite": healthy.loss == healthy.loss}
+
+
+def zero_optimizer_state_bytes(stages):
+    """Optimizer state bytes this rank holds after one DeepSpeed step, per ZeRO stage."""
+    from megatron_iiet.distributed import seed_everything
+    from megatron_iiet.training.config import TrainConfig
+    from megatron_iiet.training.engines import (
+        build_engine, init_deepspeed_distributed, optimizer_state_bytes)
+
+    init_deepspeed_distributed()
+    dp = torch.distributed.get_world_size()
+    out = {}
+    for stage in stages:
+        seed_everything(1)
+        cfg = TrainConfig()
+        cfg.parallel.engine, cfg.parallel.zero_stage = "deepspeed", stage
+        cfg.parallel.micro_batch_size, cfg.parallel.global_batch_size = 2, 4
+        engine = build_engine(cfg, build_tiny(("iiet", "history", None)))
+        engine.train_step(micro_batches(n=2 // dp, batch=2, seq=16))
+        out[stage] = optimizer_state_bytes(engine.optimizer)
+    return out

@@ -42,13 +42,15 @@ def checkpoints(corpus, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def converted(checkpoints, tmp_path_factory):
-    """out/hf/<variant>-<layout> exports, out/meg/<variant> and out/back/<variant> round trips."""
+    """out/hf/<variant>-<layout> exports, out/meg/<variant> and out/back/<variant> round trips
+    (+ <TRAINED_VARIANT>-tp2), out/digest.txt: parameter digest of the TP=2 conversion."""
     from megatron_iiet.distributed import spawn_local
 
     from tests.convert.workers import convert_all
 
     out = tmp_path_factory.mktemp("converted")
-    spawn_local(convert_all, 1, timeout_s=600, root=str(checkpoints[0]), out=str(out))
+    result = spawn_local(convert_all, 1, timeout_s=600, root=str(checkpoints[0]), out=str(out))
+    (out / "digest.txt").write_text(result[0]["digest"])
     return out
 
 

@@ -114,12 +114,23 @@ def write_checkpoints(root: str, tokenizer: str, fingerprint: str) -> dict:
     return logits if ps.get_data_parallel_rank() == 0 else None
 
 
+# The variant also written at TP=2 from HF, then trained on by pretrain_iiet.py (untied head,
+# per-layer iteration plan).
+TRAINED_VARIANT = "iiet-history-3102"
+
+
 def convert_all(root: str, out: str) -> dict:
     """Export every checkpoint under root to out/hf/<name>; round-trip each TP=1 export through
-    a TP=1 megatron checkpoint (out/meg) back to HF (out/back). Returns seconds per step."""
+    a TP=1 megatron checkpoint (out/meg/<variant>) back to HF (out/back/<variant>), and
+    TRAINED_VARIANT also through TP=2 (spawns 2 ranks). Returns the parameter digest (the
+    trainer's) of the TP=2 conversion and seconds per step."""
     import time
 
-    from megatron_iiet.hf.convert import export_to_hf, import_from_hf
+    from megatron_iiet.hf.convert import (export_to_hf, find_checkpoint, import_from_hf,
+                                          load_megatron_checkpoint, read_checkpoint_meta)
+    from megatron_iiet.model.gpt import IIETModel
+    from megatron_iiet.model.sharding import load_full
+    from megatron_iiet.training.trainer import parameters_sha256
 
     out = Path(out)
     seconds = {"export": 0.0, "import": 0.0}
@@ -133,4 +144,11 @@ def convert_all(root: str, out: str) -> dict:
         import_from_hf(exported, out / "meg" / vid)
         seconds["import"] += time.perf_counter() - t
         export_to_hf(out / "meg" / vid, out / "back" / vid)
-    return seconds
+    tp2 = f"{TRAINED_VARIANT}-tp2"
+    import_from_hf(out / "hf" / f"{TRAINED_VARIANT}-tp1", out / "meg" / tp2, tp=2)
+    export_to_hf(out / "meg" / tp2, out / "back" / tp2)
+    ckpt = find_checkpoint(out / "meg" / tp2)
+    config, tensors = load_megatron_checkpoint(ckpt, read_checkpoint_meta(ckpt))
+    model = IIETModel(config)
+    load_full(model, tensors)
+    return {"digest": parameters_sha256(model), "seconds": seconds}

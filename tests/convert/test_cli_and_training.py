@@ -1,0 +1,100 @@
+"""The CLI end to end: an exported folder loads in a fresh process with AutoModelForCausalLM and
+AutoTokenizer offline and generates; an HF folder written as a TP=2 megatron checkpoint comes
+back identical and continues training in pretrain_iiet.py (fresh optimizer, step 0) with its
+weights intact."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tests.convert.conftest import hf_state, run_cli
+from tests.convert.workers import TOKENIZER_VOCAB, TRAINED_VARIANT, input_ids
+from tests.training.conftest import base_overrides, check_ok, launch, records
+
+pytestmark = pytest.mark.distributed
+
+# Runs without the repository on sys.path: only the exported folder's own code can serve it.
+CHILD = textwrap.dedent(
+    """
+    import sys, torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    folder, ids_file, out = sys.argv[1:4]
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert "megatron_iiet" not in sys.modules, "the export must not need megatron_iiet"
+    with torch.no_grad():
+        logits = model(torch.load(ids_file)).logits
+    prompt = tokenizer("def main():", return_tensors="pt").input_ids
+    generated = model.generate(prompt, max_new_tokens=5, do_sample=False)
+    torch.save({"logits": logits, "prompt": prompt, "generated": generated,
+                "text": tokenizer.decode(generated[0])}, out)
+    """
+)
+
+
+def test_cli_export_loads_in_a_fresh_process(checkpoints, corpus, tmp_path):
+    root, megatron_logits = checkpoints
+    folder = tmp_path / "export"
+    proc = run_cli("megatron-to-hf", root / "iiet-history-tp2", folder, "--trim-vocab",
+                   "--max-shard-size", "100KB", "--expect-architecture", "iiet")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith(f"wrote {folder}") and "layout" in proc.stdout
+    assert "loaded" in proc.stderr and "writing" in proc.stderr  # progress lines
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # sharded at 100KB
+
+    ids_file, out = tmp_path / "ids.pt", tmp_path / "child.pt"
+    torch.save(input_ids(), ids_file)
+    (tmp_path / "child.py").write_text(CHILD)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"),
+               OMP_NUM_THREADS="1")
+    child = subprocess.run([sys.executable, str(tmp_path / "child.py"), str(folder),
+                            str(ids_file), str(out)], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=240)
+    assert child.returncode == 0, child.stderr[-3000:]
+    result = torch.load(out)
+    assert result["logits"].shape[-1] == TOKENIZER_VOCAB  # padding rows cut
+    reference = megatron_logits[("iiet-history", "tp2")][..., :TOKENIZER_VOCAB]
+    assert (result["logits"] - reference).abs().max().item() < 1e-4
+    from megatron_iiet.data.tokenizer import Tokenizer
+
+    sp = Tokenizer.from_path(corpus.tokenizer_model)
+    assert result["prompt"][0].tolist() == sp.encode("def main():")
+    assert result["generated"].shape[1] == result["prompt"].shape[1] + 5
+
+
+def test_hf_to_tp2_megatron_round_trip(converted):
+    meta = json.loads((converted / "meg" / f"{TRAINED_VARIANT}-tp2" / "iter_0000000" /
+                       "meta.json").read_text())
+    assert meta["layout"]["tensor"] == 2 and meta["model_only"] is True
+    a = hf_state(converted / "hf" / f"{TRAINED_VARIANT}-tp1")
+    b = hf_state(converted / "back" / f"{TRAINED_VARIANT}-tp2")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_tp2_conversion_continues_training(converted, corpus, tmp_path):
+    """pretrain_iiet.py (TP=1) starts from the TP=2 model-only checkpoint: weights restored,
+    fresh optimizer, step 0. With lr 1e-30 the optimizer steps but no weight can move, so the
+    trainer's final parameter digest must equal the converted checkpoint's."""
+    meg = converted / "meg" / f"{TRAINED_VARIANT}-tp2"
+    meta = json.loads((meg / "iter_0000000" / "meta.json").read_text())
+    assert meta["tokenizer_fingerprint"] == corpus.fingerprint
+    run = tmp_path / "run"
+    overrides = base_overrides(corpus, run, **{
+        "model.architecture": "iiet", "model.iterations": [3, 1, 0, 2],
+        "model.share_embeddings_and_output_weights": False,
+        "optimizer.lr": "1.0e-30", "optimizer.min_lr": 0.0, "schedule.train_steps": 2,
+        "schedule.warmup_steps": 1, "checkpoint.load": str(meg),
+        "checkpoint.dir": str(run / "checkpoints"), "eval.steps": 1})
+    check_ok(launch(overrides, nproc=1))
+    resumed = records(run, "resume")
+    assert resumed and resumed[0]["step"] == 0
+    assert [r["step"] for r in records(run, "train")] == [1, 2]
+    end = records(run, "end")[-1]
+    assert end["step"] == 2 and end["params_sha256"] == (converted / "digest.txt").read_text()
