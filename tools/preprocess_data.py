@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=None, help="token dtype (default: smallest that fits the vocabulary)")
     parser.add_argument("--no-eod", action="store_true", help="do not append EOD after each document")
     parser.add_argument("--batch-documents", type=int, default=512, help="documents per worker task")
+    parser.add_argument("--no-segment-cache", action="store_true",
+                        help="encode every document with sentencepiece directly (same output, slower)")
+    parser.add_argument("--hf-reader", action="store_true", help="read .jsonl/.txt through HF datasets too (same rows, slower start)")
     parser.add_argument("--overwrite", action="store_true", help="replace output of an earlier run with other arguments")
     parser.add_argument("--no-progress", action="store_true")
     return parser
@@ -69,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
             text_key=args.text_key, text_unit=args.text_unit, workers=args.workers,
             shard_size=parse_count(args.shard_size), merge=args.merge, keep_shards=args.keep_shards,
             dtype=args.dtype, append_eod=not args.no_eod, batch_documents=args.batch_documents,
+            segment_cache=not args.no_segment_cache, hf_reader=args.hf_reader,
             overwrite=args.overwrite, progress=not args.no_progress,
         )
         summary = run_preprocess(config)

@@ -14,7 +14,6 @@ continues from there, giving the same bytes as an uninterrupted run.
 
 from __future__ import annotations
 
-import itertools
 import multiprocessing
 import os
 import time
@@ -47,6 +46,10 @@ class PreprocessConfig:
     append_eod: bool = True
     batch_documents: int = 512
     batch_chars: int = 1 << 20  # also close a batch at this much text, whatever the count
+    # Memoise sentencepiece BPE per space-separated segment (byte-identical output; models where
+    # that cannot be guaranteed fall back to per-document encoding by themselves).
+    segment_cache: bool = True
+    hf_reader: bool = False  # read .jsonl/.txt through HF datasets too (default: a direct reader)
     overwrite: bool = False  # replace output of a run with different arguments
     progress: bool = True
 
@@ -71,27 +74,24 @@ class PreprocessSummary:
 _WORKER_TOKENIZER: Tokenizer | None = None
 _WORKER_DTYPE: str = "int32"
 _WORKER_EOD: int | None = None
+_WORKER_SEGMENT_CACHE = True
 
 
-def _init_worker(tokenizer_path: str, dtype_name: str, eod_id: int | None) -> None:
-    global _WORKER_TOKENIZER, _WORKER_DTYPE, _WORKER_EOD
+def _init_worker(tokenizer_path: str, dtype_name: str, eod_id: int | None, segment_cache: bool = True) -> None:
+    global _WORKER_TOKENIZER, _WORKER_DTYPE, _WORKER_EOD, _WORKER_SEGMENT_CACHE
     _WORKER_TOKENIZER = Tokenizer.from_path(tokenizer_path)
-    _WORKER_DTYPE, _WORKER_EOD = dtype_name, eod_id
+    _WORKER_DTYPE, _WORKER_EOD, _WORKER_SEGMENT_CACHE = dtype_name, eod_id, segment_cache
 
 
 def _tokenize_batch(texts: list[str | None]) -> tuple[np.ndarray, np.ndarray, int]:
     """Tokens of the non-empty texts (each followed by EOD) flattened, every text's token count
     (0 for empty/null texts, which are dropped) and the UTF-8 bytes read."""
-    keep = [i for i, text in enumerate(texts) if text]
-    encoded = _WORKER_TOKENIZER.encode_batch([texts[i] for i in keep]) if keep else []
-    eod = [] if _WORKER_EOD is None else [_WORKER_EOD]
-    lengths = np.zeros(len(texts), dtype=np.int64)
-    for position, ids in zip(keep, encoded):
-        lengths[position] = len(ids) + len(eod)
-    total = int(lengths.sum())
-    flat = np.fromiter(
-        itertools.chain.from_iterable(itertools.chain(ids, eod) for ids in encoded), dtype=_WORKER_DTYPE, count=total
+    keep = [bool(text) for text in texts]
+    flat, kept_lengths = _WORKER_TOKENIZER.encode_to_arrays(
+        [text for text in texts if text], _WORKER_DTYPE, _WORKER_EOD, cache_segments=_WORKER_SEGMENT_CACHE
     )
+    lengths = np.zeros(len(texts), dtype=np.int64)
+    lengths[np.array(keep, dtype=bool)] = kept_lengths
     read_bytes = sum(len(text.encode("utf-8")) for text in texts if text)
     return flat, lengths, read_bytes
 
@@ -190,7 +190,7 @@ class _OrderedTokenizer:
 
     def __init__(self, config: PreprocessConfig, dtype_name: str, eod_id: int | None) -> None:
         self.workers = config.workers
-        init_args = (config.tokenizer, dtype_name, eod_id)
+        init_args = (config.tokenizer, dtype_name, eod_id, config.segment_cache)
         if self.workers > 0:
             # spawn: no fork of a process holding arrow threads. An executor (not a Pool) so a
             # worker that dies raises BrokenProcessPool instead of hanging the run.
@@ -280,7 +280,7 @@ def run_preprocess(config: PreprocessConfig) -> PreprocessSummary:
         prefix = shard_prefix(config.output_prefix, shard_index) if sharded else final_prefix
         return indexed_io.IndexedDatasetWriter(prefix, dtype)
 
-    reader_config = ReaderConfig(text_key=config.text_key, text_unit=config.text_unit)
+    reader_config = ReaderConfig(text_key=config.text_key, text_unit=config.text_unit, hf_reader=config.hf_reader)
     documents = iter_documents(files, reader_config, start_file, start_row)
     engine = _OrderedTokenizer(config, dtype_name, eod_id)
     bar = _progress_bar(config, sum(f.size for f in files), sum(f.size for f in files[:start_file]))

@@ -226,11 +226,6 @@ class HFTokenizer(Tokenizer):
 
 # ---- memoised sentencepiece BPE encoding -------------------------------------------------------
 _SPACE_KEYS = re.compile(r" ( *[^ ]*)")
-# Line breaks next to letters/digits: in sentencepiece vocabularies learnt from prose, no piece
-# holds such a pair (checked per model), so a wrapped line ("word\r\nword") splits into cacheable
-# segments instead of one rare compound.
-_LINE_BREAKS = re.compile(r"(?<=[A-Za-z0-9])(?=[\r\n])|(?<=\n)(?=[A-Za-z0-9])")
-_BREAK_PAIR = re.compile(r"[A-Za-z0-9][\r\n]|\n[A-Za-z0-9]")
 
 
 def _segment_cache_blocker(sp) -> str | None:
@@ -304,10 +299,7 @@ class _SegmentCache:
                 chars[token] = len(sp.id_to_piece(token))
         self.token_chars = chars
         self.cache: dict[str, bytes] = {}  # key -> bytes of sp.encode(" " + key)
-        self.heads: dict[str, bytes] = {}  # text before the first space of a piece -> its bytes
         self.segments = self.misses = 0
-        pieces = [sp.id_to_piece(token) for token in range(sp.vocab_size())]
-        self.line_breaks = not any(_BREAK_PAIR.search(piece) for piece in pieces)
 
     def _to_bytes(self, ids) -> bytes:
         return np.asarray(ids, dtype=self.dtype).tobytes()
@@ -318,11 +310,8 @@ class _SegmentCache:
             return self._to_bytes(self.sp.encode(text))
         if len(self.cache) >= self.MAX_ENTRIES:
             self.cache.clear()  # crude but bounded; frequent words come back within a few documents
-            self.heads.clear()
         try:
-            if not self.line_breaks or "\n" not in text:
-                return self._encode_piece(text)
-            return b"".join(map(self._encode_piece, _LINE_BREAKS.split(text)))
+            return self._encode_piece(text)
         except _CacheMismatch:  # a token spanned two segments (never seen): encode it whole
             return self._to_bytes(self.sp.encode(text))
 
@@ -348,13 +337,8 @@ class _SegmentCache:
             for key in missing:
                 if len(key) > self.MAX_KEY_CHARS:
                     del cache[key]  # rarely repeats; not worth the memory
-        if head:
-            encoded = self.heads.get(head)
-            if encoded is None:
-                encoded = self._to_bytes(self.sp.encode(head))
-                if len(head) <= self.MAX_KEY_CHARS:
-                    self.heads[head] = encoded
-            parts.insert(0, encoded)
+        if head:  # the text before the first space: once per document, not worth caching
+            parts.insert(0, self._to_bytes(self.sp.encode(head)))
         return b"".join(parts)
 
     def _encode_missing(self, missing: dict) -> bool:

@@ -1,0 +1,76 @@
+"""The two fast paths of preprocessing give exactly what the plain paths give: the memoised
+sentencepiece encoder (`encode_to_arrays`) vs per-document `sp.encode`, and the direct
+.jsonl/.txt reader vs HF datasets."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import gutenberg_paragraphs
+from megatron_iiet.data.corpus import builtin_corpus_files
+from megatron_iiet.data.inputs import ReaderConfig, iter_documents, resolve_inputs
+from megatron_iiet.data.tokenizer import Tokenizer
+
+# Edge cases for the segmenting: leading/trailing/repeated spaces, a literal `▁`, line breaks
+# next to spaces, characters outside the vocabulary (byte fallback), tabs.
+EDGE_TEXTS = ["", " ", "  ", "   ", "a ", "a  ", " a", "  a", "a\n  b  ", "x \u2581 y", "\u2581\u2581a",
+              "日本語 🙂 é  z", "\t  \t", " \r\n  \r\n", "end.\r\n\r\nThe  next", "a" * 200 + " " + "b" * 60]
+
+
+def _plain(tokenizer, texts, eod):
+    return [np.array(tokenizer.encode(t) + [eod], dtype=np.uint16) for t in texts]
+
+
+@pytest.mark.parametrize("corpus", ["prose", "code"])
+def test_segment_cache_encodes_like_sentencepiece(small_tokenizer, shared_data, corpus):
+    tokenizer = Tokenizer.from_path(small_tokenizer)
+    assert tokenizer.segment_cache("uint16") is not None, tokenizer.segment_cache_blocker
+    if corpus == "prose":  # CRLF Gutenberg text, cut into chunks like the benchmark's documents
+        body = "\r\n\r\n".join(gutenberg_paragraphs(shared_data, books=2))
+        texts = [body[i:i + 4096] for i in range(0, min(len(body), 1 << 21), 4096)]
+    else:  # indented code: runs of spaces everywhere
+        texts = [open(f.path, encoding="utf-8").read() for f in builtin_corpus_files("builtin:python-stdlib:1MB")]
+    texts = EDGE_TEXTS + texts + texts[:50]  # the repeat is served from the cache
+    flat, lengths = tokenizer.encode_to_arrays(texts, "uint16", tokenizer.eod_id)
+    expected = _plain(tokenizer, texts, tokenizer.eod_id)
+    assert lengths.tolist() == [len(e) for e in expected]
+    assert np.array_equal(flat, np.concatenate(expected))
+    plain_flat, plain_lengths = tokenizer.encode_to_arrays(texts, "uint16", tokenizer.eod_id, cache_segments=False)
+    assert np.array_equal(plain_flat, flat) and np.array_equal(plain_lengths, lengths)
+
+
+def test_segment_cache_refuses_models_it_cannot_reproduce(tmp_path):
+    from megatron_iiet.data.tokenizer_training import TokenizerTrainingConfig, train_tokenizer
+
+    out = tmp_path / "tok"
+    train_tokenizer(TokenizerTrainingConfig(inputs=("builtin:python-stdlib:200KB",), output_dir=str(out), vocab_size=400,
+                                            user_defined_symbols=("<|code|>",)))
+    tokenizer = Tokenizer.from_path(out / "tokenizer.model")
+    assert tokenizer.segment_cache("uint16") is None and "user-defined" in tokenizer.segment_cache_blocker
+    texts = ["x = 1 <|code|> y", "def f():\n    return  2\n"]
+    flat, _ = tokenizer.encode_to_arrays(texts, "uint16", tokenizer.eod_id)  # falls back, same ids
+    assert np.array_equal(flat, np.concatenate(_plain(tokenizer, texts, tokenizer.eod_id)))
+
+
+def _rows(paths, **config):
+    files = resolve_inputs([str(p) for p in paths])
+    return {hf: [(d.file_index, d.row, d.text) for d in iter_documents(files, ReaderConfig(hf_reader=hf, **config))]
+            for hf in (False, True)}
+
+
+def test_direct_reader_matches_hf_datasets(tmp_path):
+    jsonl = tmp_path / "a.jsonl"
+    records = [{"text": "one"}, None, {"text": None, "n": 1}, {"text": ""}, {"text": "ünï\r\ncode  🙂"}, None, {"text": "last"}]
+    jsonl.write_text("".join("\n" if r is None else json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    rows = _rows([jsonl])
+    assert rows[False] == rows[True] and [r[2] for r in rows[False]] == ["one", None, "", "ünï\r\ncode  🙂", "last"]
+    resumed = [(d.row, d.text) for d in iter_documents(resolve_inputs([str(jsonl)]), ReaderConfig(), 0, 3)]
+    assert resumed == [(3, "ünï\r\ncode  🙂"), (4, "last")]
+    text = tmp_path / "b.txt"
+    text.write_bytes(b"para one\r\nstill one\r\n\r\npara two\rold mac\n\n\n\nthree\n\n")
+    for unit in ("document", "paragraph", "line"):
+        rows = _rows([text], text_unit=unit)
+        assert rows[False] == rows[True], unit
