@@ -2,9 +2,13 @@
 """Preprocessing throughput and peak memory vs input size, side by side in one run.
 
 Input: the Gutenberg books of ../shared/data (boilerplate stripped), cut into ~4 KB documents,
-written as jsonl and repeated up to each size. Rows: a plain single-process loop (json.loads,
-sentencepiece encode, numpy write: the floor) and tools' `run_preprocess` with 1 and 2 worker
-processes. Each configuration runs in a fresh subprocess so its peak RSS is its own.
+written as jsonl and repeated up to each size (the books are ~20 MB, so 20 MB is one pass over
+distinct text and 200 MB is ten passes). Rows: a plain single-process loop (json.loads, per-document
+sentencepiece encode, numpy write: the floor), `run_preprocess` with 1 and 2 worker processes, and
+`run_preprocess` with 1 worker and the segment cache off (per-document encode, as the floor). Each
+configuration runs in a fresh subprocess so its peak RSS is its own; every output .bin must be
+byte-identical to the floor's. On a shared machine wall time swings with the load, so CPU time of
+all the run's processes (getrusage self + joined children) is reported too.
 
   .venv/bin/python bench/bench_preprocess.py --sizes-mb 20 200
 """
@@ -12,8 +16,10 @@ processes. Each configuration runs in a fresh subprocess so its peak RSS is its 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -104,19 +110,36 @@ class _WorkerPeakWatcher(threading.Thread):
 def child(args) -> None:
     watcher = _WorkerPeakWatcher()
     watcher.start()
+    load = os.getloadavg()[0]
     started = time.perf_counter()
     if args.mode == "floor":
         documents, tokens = floor_loop(args.source, args.tokenizer, args.prefix)
     else:
         from megatron_iiet.data.preprocess import PreprocessConfig, run_preprocess
 
+        workers, _, variant = args.mode.partition("-")
         summary = run_preprocess(PreprocessConfig(inputs=(args.source,), tokenizer=args.tokenizer, output_prefix=args.prefix,
-                                                  workers=int(args.mode), progress=False))
+                                                  workers=int(workers), progress=False, segment_cache=variant != "nocache"))
         documents, tokens = summary.documents, summary.tokens
     seconds = time.perf_counter() - started
     watcher.stop.set()
-    main_rss, worker_rss = _hwm_mb(), watcher.peak
-    print(json.dumps({"documents": documents, "tokens": tokens, "seconds": seconds, "main_rss_mb": main_rss, "worker_rss_mb": worker_rss}))
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    print(json.dumps({"documents": documents, "tokens": tokens, "seconds": seconds, "main_rss_mb": _hwm_mb(),
+                      "worker_rss_mb": watcher.peak, "cpu_main": own.ru_utime + own.ru_stime,
+                      "cpu_workers": children.ru_utime + children.ru_stime, "load": (load + os.getloadavg()[0]) / 2}))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+MODES = ("floor", "1", "2", "1-nocache")
+NAMES = {"floor": "plain loop (floor)", "1": "preprocess, 1 worker", "2": "preprocess, 2 workers",
+         "1-nocache": "preprocess, 1 worker, no segment cache"}
 
 
 def main() -> None:
@@ -145,37 +168,47 @@ def main() -> None:
         for size in args.sizes_mb:
             source = scratch / f"in_{size}.jsonl"
             documents = make_input(shared, source, size)
-            for mode in ("floor", "1", "2"):
+            for mode in MODES:
                 prefix = scratch / f"out_{size}_{mode}" / "ds"
                 prefix.parent.mkdir()
                 result = subprocess.run([sys.executable, __file__, "--child", mode, str(source), tokenizer, str(prefix)],
-                                        capture_output=True, text=True, check=True)
+                                        capture_output=True, text=True)
+                if result.returncode:
+                    raise SystemExit(f"error: {mode} on {size} MB failed:\n{result.stderr[-3000:]}")
                 row = json.loads(result.stdout.strip().splitlines()[-1])
-                row.update(size=size, mode=mode, input_documents=documents)
+                row.update(size=size, mode=mode, input_documents=documents, bin_sha256=_sha256(Path(str(prefix) + ".bin")))
                 rows.append(row)
-                print(f"  done {size} MB {mode}: {row['tokens'] / row['seconds']:,.0f} tok/s", file=sys.stderr)
+                print(f"  done {size} MB {mode}: {row['tokens'] / row['seconds']:,.0f} tok/s, "
+                      f"{row['tokens'] / (row['cpu_main'] + row['cpu_workers']):,.0f} tok/CPU-s, load {row['load']:.1f}",
+                      file=sys.stderr)
                 for path in prefix.parent.iterdir():
                     path.unlink()
             source.unlink()
     print(f"\ntokenizer: sentencepiece BPE vocab {args.vocab_size}; documents ~4 KB; {os.cpu_count()} CPUs\n")
-    print("| input | pipeline | documents | tokens | time s | tokens/s | vs floor | tokens/s per worker / floor | peak RSS main MB | peak RSS per worker MB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    floors = {r["size"]: r["tokens"] / r["seconds"] for r in rows if r["mode"] == "floor"}
+    print("| input | pipeline | tokens | wall s | tokens/s | tokens/s per worker / floor | CPU s main + workers | "
+          "tokens per CPU-s | per CPU-s / floor | peak RSS main MB | peak RSS per worker MB | load avg | .bin = floor |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    floors = {r["size"]: r for r in rows if r["mode"] == "floor"}
     for r in rows:
-        rate = r["tokens"] / r["seconds"]
-        name = "plain loop (floor)" if r["mode"] == "floor" else f"preprocess, {r['mode']} worker(s)"
-        workers = 1 if r["mode"] == "floor" else int(r["mode"])
+        floor = floors[r["size"]]
+        rate, floor_rate = r["tokens"] / r["seconds"], floor["tokens"] / floor["seconds"]
+        cpu = r["cpu_main"] + r["cpu_workers"]
+        cpu_rate = r["tokens"] / cpu
+        floor_cpu_rate = floor["tokens"] / (floor["cpu_main"] + floor["cpu_workers"])
+        workers = 1 if r["mode"] == "floor" else int(r["mode"].split("-")[0])
         worker_rss = "-" if r["mode"] == "floor" else f"{r['worker_rss_mb']:.0f}"
-        print(f"| {r['size']} MB | {name} | {r['documents']:,} | {r['tokens']:,} | {r['seconds']:.1f} | {rate:,.0f} | "
-              f"{rate / floors[r['size']]:.2f}x | {rate / workers / floors[r['size']]:.2f}x | {r['main_rss_mb']:.0f} | {worker_rss} |")
+        same = "yes" if r["bin_sha256"] == floor["bin_sha256"] and r["tokens"] == floor["tokens"] else "**NO**"
+        print(f"| {r['size']} MB | {NAMES[r['mode']]} | {r['tokens']:,} | {r['seconds']:.1f} | {rate:,.0f} | "
+              f"{rate / workers / floor_rate:.2f}x | {r['cpu_main']:.1f} + {r['cpu_workers']:.1f} | {cpu_rate:,.0f} | "
+              f"{cpu_rate / floor_cpu_rate:.2f}x | {r['main_rss_mb']:.0f} | {worker_rss} | {r['load']:.1f} | {same} |")
     if len(args.sizes_mb) >= 2:
         small, large = args.sizes_mb[0], args.sizes_mb[-1]
-        print(f"\nRSS growth {small} MB -> {large} MB input:")
-        for mode in ("floor", "1", "2"):
+        print(f"\nPeak RSS growth {small} MB -> {large} MB input:")
+        for mode in MODES:
             a = next(r for r in rows if r["size"] == small and r["mode"] == mode)
             b = next(r for r in rows if r["size"] == large and r["mode"] == mode)
-            print(f"  {mode:>5}: main {100 * (b['main_rss_mb'] / a['main_rss_mb'] - 1):+.1f}%, "
-                  f"workers {100 * (b['worker_rss_mb'] / max(a['worker_rss_mb'], 1) - 1):+.1f}%")
+            workers = "" if mode == "floor" else f", workers {100 * (b['worker_rss_mb'] / max(a['worker_rss_mb'], 1) - 1):+.1f}%"
+            print(f"  {NAMES[mode]}: main {100 * (b['main_rss_mb'] / a['main_rss_mb'] - 1):+.1f}%{workers}")
 
 
 if __name__ == "__main__":
