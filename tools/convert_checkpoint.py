@@ -74,7 +74,11 @@ def build_parser():
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
     from megatron_iiet.hf.convert import ConversionError, export_to_hf, import_from_hf
+
+    hf_logging.disable_progress_bar()  # our own progress lines say what is happening
 
     start = time.perf_counter()
 

@@ -661,34 +661,26 @@ def import_from_hf(src, dst, tp: int = 1, pp: int = 1, precision: str = "fp32",
 
     name = "iter_0000000"
     # meta.json names the tokenizer where it will be once the folder is renamed into place.
-    final_tokenizer_dir = dst.resolve() / name / "tokenizer"
-
     tokenizer_file, fingerprint = _source_tokenizer(src, vocab)
-    tokenizer_path = None if tokenizer_file is None else str(final_tokenizer_dir / tokenizer_file)
+    tokenizer_path = (None if tokenizer_file is None
+                      else str(dst.resolve() / name / "tokenizer" / tokenizer_file))
+    train_cfg = train_config_for_hf(hf_config, tokenizer_path, precision, tp, pp)
+    model_cfg = single_process_model_config(train_cfg, vocab)
 
-    def fill(root: Path):
+    def write_full_state(root: Path) -> dict:
+        """The full megatron tensors in a file every rank reads; write_rank_shard's kwargs."""
+        (root / name).mkdir(parents=True)
+        meg = hf_to_megatron_tensors(hf, model_cfg)
+        state_file = root / ".full_state.pt"
+        torch.save({k: v.to(DTYPES[precision]) for k, v in meg.items()}, state_file)
+        return dict(train_config=train_cfg.to_dict(), vocab_size=vocab,
+                    state_file=str(state_file), out_dir=str(root / name))
+
+    def finish(root: Path) -> None:
         from megatron_iiet.training.checkpointing import architecture_signature
 
+        (root / ".full_state.pt").unlink()
         ckpt = root / name
-        ckpt.mkdir()
-        train_cfg = train_config_for_hf(hf_config, tokenizer_path, precision, tp, pp)
-        model_cfg = single_process_model_config(train_cfg, vocab)
-        meg = hf_to_megatron_tensors(hf, model_cfg)
-        meg = {k: v.to(DTYPES[precision]) for k, v in meg.items()}
-        state_file = root / ".full_state.pt"
-        torch.save(meg, state_file)
-        del meg
-        progress(f"writing the dist checkpoint with TP={tp} PP={pp} ({tp * pp} ranks)")
-        kwargs = dict(train_config=train_cfg.to_dict(), vocab_size=vocab,
-                      state_file=str(state_file), out_dir=str(ckpt))
-        if tp * pp == 1:
-            with one_process_group():
-                write_rank_shard(**kwargs)
-        else:
-            from megatron_iiet.distributed import spawn_local
-
-            spawn_local(write_rank_shard, tp * pp, tp, pp, timeout_s=3600.0, **kwargs)
-        state_file.unlink()
         if tokenizer_path is not None:  # after the save: dist_checkpointing wants an empty dir
             (ckpt / "tokenizer").mkdir()
             for f in HF_TOKENIZER_FILES:
@@ -712,11 +704,79 @@ def import_from_hf(src, dst, tp: int = 1, pp: int = 1, precision: str = "fp32",
         (ckpt / META).write_text(json.dumps(meta, indent=2))
         (root / LATEST).write_text(name)
 
-    write_atomically(dst, force, fill)
-    meta = json.loads((dst / name / META).read_text())
+    progress(f"writing the dist checkpoint with TP={tp} PP={pp} ({tp * pp} ranks)")
+    if _inside_job_of_layout(tp, pp):
+        _write_in_this_job(dst, force, write_full_state, finish)
+    else:
+        def fill(root: Path):
+            kwargs = write_full_state(root)
+            if tp * pp == 1:
+                with one_process_group():
+                    write_rank_shard(**kwargs)
+            else:
+                from megatron_iiet.distributed import spawn_local
+
+                spawn_local(write_rank_shard, tp * pp, tp, pp, timeout_s=3600.0, **kwargs)
+            finish(root)
+
+        write_atomically(dst, force, fill)
     return ImportSummary(str(dst), str(dst / name), hf_config.architecture,
-                         {"tensor": tp, "pipeline": pp}, vocab, precision, meta["tokenizer"],
+                         {"tensor": tp, "pipeline": pp}, vocab, precision, tokenizer_path,
                          time.perf_counter() - start)
+
+
+def _inside_job_of_layout(tp: int, pp: int) -> bool:
+    """Called on every rank of a running job whose whole world is this TP x PP layout (e.g.
+    under torchrun): the ranks write their shards themselves instead of spawning new ones."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return False
+    from megatron.core import parallel_state as ps
+
+    if not (dist.get_world_size() == tp * pp and ps.model_parallel_is_initialized()
+            and ps.get_tensor_model_parallel_world_size() == tp
+            and ps.get_pipeline_model_parallel_world_size() == pp):
+        raise ConversionError(f"inside a distributed job, HF -> megatron needs the job's layout "
+                              f"to be exactly TP={tp} x PP={pp} (world {dist.get_world_size()})")
+    return True
+
+
+def _write_in_this_job(dst: Path, force: bool, write_full_state, finish) -> None:
+    """Rank 0 prepares and finalises a temp folder; every rank writes its shard into it."""
+    import torch.distributed as dist
+
+    from megatron_iiet.hf.release_import import write_atomically
+
+    rank0 = dist.get_rank() == 0
+    tmp = dst.parent / f".{dst.name}.tmp-job"
+    box: list = [None]
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            box[0] = write_full_state(tmp)
+        except Exception as err:  # tell the other ranks instead of leaving them waiting
+            box[0] = f"rank 0 failed: {err}"
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise ConversionError(box[0])
+    try:
+        write_rank_shard(**box[0])
+        dist.barrier()
+        if rank0:
+            finish(tmp)
+
+            def move_into(folder: Path):
+                for item in tmp.iterdir():
+                    os.replace(item, folder / item.name)
+
+            write_atomically(dst, force, move_into)
+    finally:
+        dist.barrier()
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _source_tokenizer(src: Path, vocab: int):

@@ -28,28 +28,42 @@ def corpus(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def checkpoints(corpus, tmp_path_factory):
-    """(root with <variant>-<layout> checkpoint roots, {(variant, layout): megatron logits})."""
+def hf_source(corpus, tmp_path_factory):
+    """An HF folder made directly with the HF model (not by the exporter)."""
+    from tests.convert.workers import write_hf_source
+
+    folder = tmp_path_factory.mktemp("hf_source")
+    write_hf_source(folder, corpus.tokenizer_model)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def checkpoints(corpus, hf_source, tmp_path_factory):
+    """(root with <variant>-<layout> checkpoint roots, {(variant, layout): megatron logits},
+    hf_source converted to a TP=2 checkpoint root by the 2 ranks themselves)."""
     from megatron_iiet.distributed import spawn_local
 
     from tests.convert.workers import write_checkpoints
 
     root = tmp_path_factory.mktemp("megatron_ckpts")
+    hf_to_tp2 = tmp_path_factory.mktemp("from_hf") / "tp2"
     logits = spawn_local(write_checkpoints, 2, timeout_s=600, root=str(root),
-                         tokenizer=corpus.tokenizer_model, fingerprint=corpus.fingerprint)[0]
-    return root, logits
+                         tokenizer=corpus.tokenizer_model, fingerprint=corpus.fingerprint,
+                         hf_source=str(hf_source), hf_to_tp2=str(hf_to_tp2))[0]
+    return root, logits, hf_to_tp2
 
 
 @pytest.fixture(scope="session")
 def converted(checkpoints, tmp_path_factory):
-    """out/hf/<variant>-<layout> exports, out/meg/<variant> and out/back/<variant> round trips
-    (+ <TRAINED_VARIANT>-tp2), out/digest.txt: parameter digest of the TP=2 conversion."""
+    """out/hf/<variant>-<layout> exports, out/meg/<variant> and out/back/<variant> round trips,
+    out/back/hf_to_tp2, out/digest.txt: the trainer's parameter digest of the TP=2 conversion."""
     from megatron_iiet.distributed import spawn_local
 
     from tests.convert.workers import convert_all
 
     out = tmp_path_factory.mktemp("converted")
-    result = spawn_local(convert_all, 1, timeout_s=600, root=str(checkpoints[0]), out=str(out))
+    result = spawn_local(convert_all, 1, timeout_s=600, root=str(checkpoints[0]), out=str(out),
+                         hf_to_tp2=str(checkpoints[2]))
     (out / "digest.txt").write_text(result[0]["digest"])
     return out
 

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.distributed  # uses the spawned checkpoint fixtures
 
 
 def _copy_checkpoint(checkpoints, name, tmp_path):
-    root, _ = checkpoints
+    root = checkpoints[0]
     return shutil.copytree(root / name, tmp_path / name)
 
 
@@ -42,7 +42,7 @@ def test_broken_meta(checkpoints, tmp_path):
 
 
 def test_architecture_mismatch(checkpoints, tmp_path):
-    root, _ = checkpoints
+    root = checkpoints[0]
     with pytest.raises(ConversionError, match="holds a pcformer_rk2 model, expected iiet"):
         export_to_hf(root / "pcformer_rk2-tp2", tmp_path / "out", expect_architecture="iiet")
     assert not (tmp_path / "out").exists()
@@ -58,7 +58,7 @@ def test_missing_shard(checkpoints, tmp_path):
 
 
 def test_existing_output_is_kept_without_force(checkpoints, tmp_path):
-    root, _ = checkpoints
+    root = checkpoints[0]
     out = tmp_path / "out"
     out.mkdir()
     (out / "precious.txt").write_text("keep me")

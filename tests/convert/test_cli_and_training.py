@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.convert.conftest import hf_state, run_cli
-from tests.convert.workers import TOKENIZER_VOCAB, TRAINED_VARIANT, input_ids
+from tests.convert.workers import TOKENIZER_VOCAB, input_ids
 from tests.training.conftest import base_overrides, check_ok, launch, records
 
 pytestmark = pytest.mark.distributed
@@ -38,7 +38,7 @@ CHILD = textwrap.dedent(
 
 
 def test_cli_export_loads_in_a_fresh_process(checkpoints, corpus, tmp_path):
-    root, megatron_logits = checkpoints
+    root, megatron_logits = checkpoints[0], checkpoints[1]
     folder = tmp_path / "export"
     proc = run_cli("megatron-to-hf", root / "iiet-history-tp2", folder, "--trim-vocab",
                    "--max-shard-size", "100KB", "--expect-architecture", "iiet")
@@ -69,20 +69,28 @@ def test_cli_export_loads_in_a_fresh_process(checkpoints, corpus, tmp_path):
     assert result["generated"].shape[1] == result["prompt"].shape[1] + 5
 
 
-def test_hf_to_tp2_megatron_round_trip(converted):
-    meta = json.loads((converted / "meg" / f"{TRAINED_VARIANT}-tp2" / "iter_0000000" /
-                       "meta.json").read_text())
-    assert meta["layout"]["tensor"] == 2 and meta["model_only"] is True
-    a = hf_state(converted / "hf" / f"{TRAINED_VARIANT}-tp1")
-    b = hf_state(converted / "back" / f"{TRAINED_VARIANT}-tp2")
+def test_hf_to_tp2_megatron_round_trip(checkpoints, converted, hf_source):
+    """An HF folder made by the HF model itself -> TP=2 checkpoint (written by the 2 ranks of
+    a TP=2 job) -> HF: identical tensors and config."""
+    meg = checkpoints[2]
+    meta = json.loads((meg / "iter_0000000" / "meta.json").read_text())
+    assert meta["layout"]["tensor"] == 2 and meta["model_only"] is True and meta["step"] == 0
+    writers = {f.name.split("_")[2] for f in (meg / "iter_0000000").glob("__*.distcp")}
+    assert writers == {"0", "1"}  # files named __<rank>_<thread>: both ranks wrote shards
+    a, b = hf_state(hf_source), hf_state(converted / "back" / "hf_to_tp2")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    config_a = json.loads((hf_source / "config.json").read_text())
+    config_b = json.loads((converted / "back" / "hf_to_tp2" / "config.json").read_text())
+    for key in ("architecture", "iterations", "max_iterations", "tie_word_embeddings",
+                "vocab_size", "bos_token_id", "eos_token_id", "pad_token_id"):
+        assert config_a[key] == config_b[key], key
 
 
-def test_tp2_conversion_continues_training(converted, corpus, tmp_path):
+def test_tp2_conversion_continues_training(checkpoints, converted, corpus, tmp_path):
     """pretrain_iiet.py (TP=1) starts from the TP=2 model-only checkpoint: weights restored,
     fresh optimizer, step 0. With lr 1e-30 the optimizer steps but no weight can move, so the
     trainer's final parameter digest must equal the converted checkpoint's."""
-    meg = converted / "meg" / f"{TRAINED_VARIANT}-tp2"
+    meg = checkpoints[2]
     meta = json.loads((meg / "iter_0000000" / "meta.json").read_text())
     assert meta["tokenizer_fingerprint"] == corpus.fingerprint
     run = tmp_path / "run"

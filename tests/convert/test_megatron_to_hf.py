@@ -31,7 +31,7 @@ def _hf_logits(folder):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("vid", VARIANT_IDS)
 def test_hf_logits_equal_megatron(checkpoints, converted, vid, layout):
-    _, megatron_logits = checkpoints
+    megatron_logits = checkpoints[1]
     logits, model = _hf_logits(converted / "hf" / f"{vid}-{layout}")
     assert model.config.vocab_size == PADDED_VOCAB  # padding kept by default
     reference = megatron_logits[(vid, "tp1")]

@@ -81,8 +81,10 @@ def _full_logits(model, ids):
     return torch.cat(parts, dim=-1)
 
 
-def write_checkpoints(root: str, tokenizer: str, fingerprint: str) -> dict:
-    """Checkpoint roots at root/<variant>-<layout>; returns megatron logits (TP=1 and TP=2)."""
+def write_checkpoints(root: str, tokenizer: str, fingerprint: str, hf_source: str,
+                      hf_to_tp2: str) -> dict:
+    """Checkpoint roots at root/<variant>-<layout>, and the HF folder `hf_source` converted to
+    a TP=2 checkpoint root `hf_to_tp2`; returns megatron logits (TP=1 and TP=2)."""
     from megatron.core import parallel_state as ps
 
     from megatron_iiet.model.gpt import IIETModel
@@ -111,19 +113,41 @@ def write_checkpoints(root: str, tokenizer: str, fingerprint: str) -> dict:
                          {"config": cfg.to_dict(), "tokenizer": tokenizer,
                           "tokenizer_fingerprint": fingerprint})
             manager.close()
+        if (tp, pp) == (2, 1):  # HF -> megatron by the ranks of this TP=2 job themselves
+            from megatron_iiet.hf.convert import import_from_hf
+
+            import_from_hf(hf_source, hf_to_tp2, tp=2)
     return logits if ps.get_data_parallel_rank() == 0 else None
 
 
-# The variant also written at TP=2 from HF, then trained on by pretrain_iiet.py (untied head,
-# per-layer iteration plan).
-TRAINED_VARIANT = "iiet-history-3102"
+def write_hf_source(folder, tokenizer_model: str) -> None:
+    """An HF folder of ours made without megatron: random IIET ([3,1,0,2], untied head),
+    every tensor drawn anew, plus the HF tokenizer files of the test tokenizer."""
+    from megatron_iiet.data.hf_export import export_hf_tokenizer
+    from megatron_iiet.hf import IIETConfig, IIETForCausalLM
+
+    config = IIETConfig(vocab_size=PADDED_VOCAB, hidden_size=64, intermediate_size=176,
+                        num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=32,
+                        tie_word_embeddings=False, architecture="iiet",
+                        iterations=[3, 1, 0, 2], max_iterations=3, bos_token_id=1,
+                        eos_token_id=2, pad_token_id=3)
+    torch.manual_seed(SEED)
+    model = IIETForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name == "model.history.weight" or name == "model.history.weight_c":
+                p.add_(torch.tril(0.2 * torch.randn(p.shape)))
+            elif p.dim() == 1:
+                p.add_(0.2 * torch.randn(p.shape))
+    model.save_pretrained(folder)
+    export_hf_tokenizer(tokenizer_model, folder)
 
 
-def convert_all(root: str, out: str) -> dict:
+def convert_all(root: str, out: str, hf_to_tp2: str) -> dict:
     """Export every checkpoint under root to out/hf/<name>; round-trip each TP=1 export through
-    a TP=1 megatron checkpoint (out/meg/<variant>) back to HF (out/back/<variant>), and
-    TRAINED_VARIANT also through TP=2 (spawns 2 ranks). Returns the parameter digest (the
-    trainer's) of the TP=2 conversion and seconds per step."""
+    a TP=1 megatron checkpoint (out/meg/<variant>) back to HF (out/back/<variant>); export the
+    TP=2 checkpoint `hf_to_tp2` to out/back/hf_to_tp2. Returns the trainer's parameter digest
+    of `hf_to_tp2` and seconds per step."""
     import time
 
     from megatron_iiet.hf.convert import (export_to_hf, find_checkpoint, import_from_hf,
@@ -144,10 +168,8 @@ def convert_all(root: str, out: str) -> dict:
         import_from_hf(exported, out / "meg" / vid)
         seconds["import"] += time.perf_counter() - t
         export_to_hf(out / "meg" / vid, out / "back" / vid)
-    tp2 = f"{TRAINED_VARIANT}-tp2"
-    import_from_hf(out / "hf" / f"{TRAINED_VARIANT}-tp1", out / "meg" / tp2, tp=2)
-    export_to_hf(out / "meg" / tp2, out / "back" / tp2)
-    ckpt = find_checkpoint(out / "meg" / tp2)
+    export_to_hf(hf_to_tp2, out / "back" / "hf_to_tp2")
+    ckpt = find_checkpoint(hf_to_tp2)
     config, tensors = load_megatron_checkpoint(ckpt, read_checkpoint_meta(ckpt))
     model = IIETModel(config)
     load_full(model, tensors)
