@@ -31,13 +31,16 @@ def main(argv=None) -> int:
         return 2
 
     from megatron_iiet.distributed import teardown
-    from megatron_iiet.training.trainer import train
+    from megatron_iiet.training.trainer import TooManySkippedSteps, train
 
     try:
         summary = train(cfg)
     except ValueError as e:  # bad input found before training: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TooManySkippedSteps as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
         teardown()
     import os

@@ -163,16 +163,17 @@ def train(cfg: TrainConfig) -> TrainSummary:
                 state.skipped_steps += 1
                 log.message(f"step {state.step}: non-finite loss {result.loss}, update skipped "
                             f"({state.skipped_steps}/{cfg.logging.max_skipped_steps})")
-                if state.skipped_steps > cfg.logging.max_skipped_steps:
-                    raise TooManySkippedSteps(
-                        f"{state.skipped_steps} steps with non-finite loss (limit "
-                        f"logging.max_skipped_steps={cfg.logging.max_skipped_steps})")
-            if state.step % cfg.logging.log_interval == 0 or state.step == 1:
+            if result.skipped or state.step % cfg.logging.log_interval == 0 or state.step == 1:
                 log.log_step(state.step, loss=result.loss, lr=result.lr,
                              grad_norm=optional_float(result.grad_norm),
                              skipped_steps=state.skipped_steps, **throughput(seconds),
                              optimizer_state_mb=optimizer_state_bytes(engine.optimizer) / 2**20,
                              **memory_mb())
+            if state.skipped_steps > cfg.logging.max_skipped_steps:
+                log.close()
+                raise TooManySkippedSteps(
+                    f"{state.skipped_steps} steps with non-finite loss (limit "
+                    f"logging.max_skipped_steps={cfg.logging.max_skipped_steps})")
             if cfg.eval.interval and state.step % cfg.eval.interval == 0:
                 valid_loss, valid_step = evaluate(), state.step
                 log.log_eval(state.step, valid_loss)

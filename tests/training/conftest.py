@@ -57,8 +57,9 @@ def launch(overrides: list[str], nproc: int = 1, env: dict | None = None, wait: 
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
                 "PYTHONWARNINGS": "ignore", **(env or {})}
     if not wait:
+        # its own process group, so a test can kill the run with every helper it spawned
         return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
     return proc

@@ -47,13 +47,13 @@ def test_interrupted_saves_keep_a_valid_latest(tiny_data, tmp_path):
     log = tmp_path / "run"
     marker = tmp_path / "saving"
     settings = {"schedule.train_steps": 6, "checkpoint.save_interval": 2}
-    env = {"IIET_TEST_PAUSE_IN_SAVE": str(marker), "IIET_TEST_PAUSE_SECONDS": "30"}
+    env = {"IIET_TEST_PAUSE_IN_SAVE": str(marker), "IIET_TEST_PAUSE_SECONDS": "8"}
 
     # SIGKILL while the step-2 checkpoint is half written: nothing valid yet, no `latest`.
     proc = launch(base_overrides(tiny_data, log, **settings), env=env, wait=False)
     _wait_for(marker.exists, proc=proc)
-    proc.kill()
-    proc.communicate()
+    os.killpg(proc.pid, signal.SIGKILL)  # like a node failure: the job and its helpers die
+    proc.communicate(timeout=60)
     assert not (log / "checkpoints" / "latest").exists()
     assert list((log / "checkpoints").glob("*.partial"))
 
