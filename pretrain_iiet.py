@@ -48,8 +48,10 @@ def main(argv=None) -> int:
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     print(f"done: {summary.steps} steps, final train loss {summary.final_loss}, validation loss "
-          f"{summary.valid_loss}; checkpoint {summary.checkpoint}; logs in {summary.log_dir}"
-          + (" (stopped by a preemption signal)" if summary.preempted else ""))
+          f"{summary.valid_loss}" + (" (stopped by a preemption signal)" if summary.preempted else ""))
+    print(f"  checkpoint:  {summary.checkpoint}\n"
+          f"  metrics:     {summary.log_dir}/metrics.jsonl\n"
+          f"  tensorboard: tensorboard --logdir {summary.log_dir}/tensorboard")
     return 0
 
 
