@@ -136,7 +136,9 @@ def write_hf_source(folder, tokenizer_model: str) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name == "model.history.weight" or name == "model.history.weight_c":
-                p.add_(torch.tril(0.2 * torch.randn(p.shape)))
+                # rows 1..L (lower triangle); row 0 is never read and keeps its init, as in any
+                # trained model (megatron has no row 0: it comes back as the init).
+                p[1:].add_(torch.tril(0.2 * torch.randn(p.shape))[1:])
             elif p.dim() == 1:
                 p.add_(0.2 * torch.randn(p.shape))
     model.save_pretrained(folder)
@@ -147,9 +149,7 @@ def convert_all(root: str, out: str, hf_to_tp2: str) -> dict:
     """Export every checkpoint under root to out/hf/<name>; round-trip each TP=1 export through
     a TP=1 megatron checkpoint (out/meg/<variant>) back to HF (out/back/<variant>); export the
     TP=2 checkpoint `hf_to_tp2` to out/back/hf_to_tp2. Returns the trainer's parameter digest
-    of `hf_to_tp2` and seconds per step."""
-    import time
-
+    of `hf_to_tp2`."""
     from megatron_iiet.hf.convert import (export_to_hf, find_checkpoint, import_from_hf,
                                           load_megatron_checkpoint, read_checkpoint_meta)
     from megatron_iiet.model.gpt import IIETModel
@@ -157,20 +157,15 @@ def convert_all(root: str, out: str, hf_to_tp2: str) -> dict:
     from megatron_iiet.training.trainer import parameters_sha256
 
     out = Path(out)
-    seconds = {"export": 0.0, "import": 0.0}
     for ckpt in sorted(Path(root).iterdir()):
-        t = time.perf_counter()
         export_to_hf(ckpt, out / "hf" / ckpt.name)
-        seconds["export"] += time.perf_counter() - t
     for exported in sorted((out / "hf").glob("*-tp1")):
         vid = exported.name[: -len("-tp1")]
-        t = time.perf_counter()
         import_from_hf(exported, out / "meg" / vid)
-        seconds["import"] += time.perf_counter() - t
         export_to_hf(out / "meg" / vid, out / "back" / vid)
     export_to_hf(hf_to_tp2, out / "back" / "hf_to_tp2")
     ckpt = find_checkpoint(hf_to_tp2)
     config, tensors = load_megatron_checkpoint(ckpt, read_checkpoint_meta(ckpt))
     model = IIETModel(config)
     load_full(model, tensors)
-    return {"digest": parameters_sha256(model), "seconds": seconds}
+    return {"digest": parameters_sha256(model)}
