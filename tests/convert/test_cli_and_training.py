@@ -109,3 +109,17 @@ def test_tp2_conversion_continues_training(checkpoints, converted, corpus, tmp_p
     assert [r["step"] for r in records(run, "train")] == [1, 2]
     end = records(run, "end")[-1]
     assert end["step"] == 2 and end["params_sha256"] == (converted / "digest.txt").read_text()
+
+
+@pytest.mark.parametrize("dtype,torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_export_dtype_is_the_fp32_export_cast(checkpoints, tmp_path, dtype, torch_dtype):
+    source = checkpoints[0] / "iiet-history-tp1"
+    full, low = tmp_path / "fp32", tmp_path / dtype
+    for folder, flag in ((full, "fp32"), (low, dtype)):
+        proc = run_cli("megatron-to-hf", source, folder, "--dtype", flag)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    reference, converted = hf_state(full), hf_state(low)
+    assert set(reference) == set(converted)
+    for name, tensor in converted.items():
+        assert tensor.dtype == torch_dtype, name
+        assert torch.equal(tensor, reference[name].to(torch_dtype)), name
