@@ -48,7 +48,9 @@ def initialize(
         for name, value in (("RANK", rank), ("WORLD_SIZE", world), ("LOCAL_RANK", local)):
             os.environ.setdefault(name, str(value))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        # A lone process needs no agreed port: take a free one, so two single-process jobs on
+        # one machine do not collide on a fixed default.
+        os.environ.setdefault("MASTER_PORT", str(free_port() if world == 1 else 29500))
         backend = "nccl" if cuda_available() else "gloo"
         if cuda_available():
             torch.cuda.set_device(local)
