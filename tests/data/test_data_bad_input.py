@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, write_jsonl
+from tests.data.helpers import REPO, write_jsonl
 from megatron_iiet.data import indexed_io
 from megatron_iiet.data.blend import validate_blend
 from megatron_iiet.data.errors import CorruptDatasetError, DataInputError, TokenizerMismatchError

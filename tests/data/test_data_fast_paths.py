@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import gutenberg_paragraphs
+from tests.data.helpers import gutenberg_paragraphs
 from megatron_iiet.data.corpus import builtin_corpus_files
 from megatron_iiet.data.inputs import ReaderConfig, iter_documents, resolve_inputs
 from megatron_iiet.data.tokenizer import Tokenizer

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, gutenberg_paragraphs, write_jsonl
+from tests.data.helpers import REPO, gutenberg_paragraphs, write_jsonl
 from megatron_iiet.data import indexed_io
 from megatron_iiet.data.preprocess import PreprocessConfig, run_preprocess, shard_prefix
 from megatron_iiet.data.tokenizer import Tokenizer

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, gutenberg_paragraphs
+from tests.data.helpers import REPO, gutenberg_paragraphs
 from megatron_iiet.data.errors import TokenizerMismatchError
 from megatron_iiet.data.tokenizer import Tokenizer, check_dtype_fits, smallest_token_dtype
 from megatron_iiet.data.tokenizer_training import TokenizerTrainingConfig, train_tokenizer
@@ -36,7 +36,7 @@ def _real_texts(shared) -> list[str]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, shared_data):
     """BPE and unigram tokenizers trained on two Gutenberg books written as jsonl."""
-    from conftest import write_jsonl
+    from tests.data.helpers import write_jsonl
 
     root = tmp_path_factory.mktemp("hf")
     corpus = write_jsonl(root / "train.jsonl", gutenberg_paragraphs(shared_data, books=1))
