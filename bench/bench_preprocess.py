@@ -118,8 +118,9 @@ def child(args) -> None:
         from megatron_iiet.data.preprocess import PreprocessConfig, run_preprocess
 
         workers, _, variant = args.mode.partition("-")
+        cache = {"segment_cache_entries": 0} if variant == "nocache" else {}
         summary = run_preprocess(PreprocessConfig(inputs=(args.source,), tokenizer=args.tokenizer, output_prefix=args.prefix,
-                                                  workers=int(workers), progress=False, segment_cache=variant != "nocache"))
+                                                  workers=int(workers), progress=False, **cache))
         documents, tokens = summary.documents, summary.tokens
     seconds = time.perf_counter() - started
     watcher.stop.set()

@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=None, help="token dtype (default: smallest that fits the vocabulary)")
     parser.add_argument("--no-eod", action="store_true", help="do not append EOD after each document")
     parser.add_argument("--batch-documents", type=int, default=512, help="documents per worker task")
+    parser.add_argument("--segment-cache-entries", type=int, default=1 << 18,
+                        help="words memoised per worker (~160 bytes each; same output at any size)")
     parser.add_argument("--no-segment-cache", action="store_true",
                         help="encode every document with sentencepiece directly (same output, slower)")
     parser.add_argument("--hf-reader", action="store_true", help="read .jsonl/.txt through HF datasets too (same rows, slower start)")
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
             text_key=args.text_key, text_unit=args.text_unit, workers=args.workers,
             shard_size=parse_count(args.shard_size), merge=args.merge, keep_shards=args.keep_shards,
             dtype=args.dtype, append_eod=not args.no_eod, batch_documents=args.batch_documents,
-            segment_cache=not args.no_segment_cache, hf_reader=args.hf_reader,
+            segment_cache_entries=0 if args.no_segment_cache else args.segment_cache_entries, hf_reader=args.hf_reader,
             overwrite=args.overwrite, progress=not args.no_progress,
         )
         summary = run_preprocess(config)

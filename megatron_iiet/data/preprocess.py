@@ -46,9 +46,9 @@ class PreprocessConfig:
     append_eod: bool = True
     batch_documents: int = 512
     batch_chars: int = 1 << 20  # also close a batch at this much text, whatever the count
-    # Memoise sentencepiece BPE per space-separated segment (byte-identical output; models where
-    # that cannot be guaranteed fall back to per-document encoding by themselves).
-    segment_cache: bool = True
+    # Words whose sentencepiece BPE ids each worker memoises (byte-identical output; models where
+    # that cannot be guaranteed fall back to per-document encoding by themselves); 0: none.
+    segment_cache_entries: int = 1 << 18
     hf_reader: bool = False  # read .jsonl/.txt through HF datasets too (default: a direct reader)
     overwrite: bool = False  # replace output of a run with different arguments
     progress: bool = True
@@ -77,10 +77,13 @@ _WORKER_EOD: int | None = None
 _WORKER_SEGMENT_CACHE = True
 
 
-def _init_worker(tokenizer_path: str, dtype_name: str, eod_id: int | None, segment_cache: bool = True) -> None:
+def _init_worker(tokenizer_path: str, dtype_name: str, eod_id: int | None, segment_cache_entries: int) -> None:
     global _WORKER_TOKENIZER, _WORKER_DTYPE, _WORKER_EOD, _WORKER_SEGMENT_CACHE
     _WORKER_TOKENIZER = Tokenizer.from_path(tokenizer_path)
-    _WORKER_DTYPE, _WORKER_EOD, _WORKER_SEGMENT_CACHE = dtype_name, eod_id, segment_cache
+    _WORKER_DTYPE, _WORKER_EOD, _WORKER_SEGMENT_CACHE = dtype_name, eod_id, segment_cache_entries > 0
+    encoder = _WORKER_TOKENIZER.segment_cache(dtype_name) if segment_cache_entries > 0 else None
+    if encoder is not None:
+        encoder.max_entries = segment_cache_entries
 
 
 def _tokenize_batch(texts: list[str | None]) -> tuple[np.ndarray, np.ndarray, int]:
@@ -190,7 +193,7 @@ class _OrderedTokenizer:
 
     def __init__(self, config: PreprocessConfig, dtype_name: str, eod_id: int | None) -> None:
         self.workers = config.workers
-        init_args = (config.tokenizer, dtype_name, eod_id, config.segment_cache)
+        init_args = (config.tokenizer, dtype_name, eod_id, config.segment_cache_entries)
         if self.workers > 0:
             # spawn: no fork of a process holding arrow threads. An executor (not a Pool) so a
             # worker that dies raises BrokenProcessPool instead of hanging the run.

@@ -16,12 +16,12 @@ import hashlib
 import itertools
 import json
 import os
-import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 
+from megatron_iiet.data.bpe_cache import SegmentCachedEncoder, cache_blocker
 from megatron_iiet.data.errors import DataInputError, TokenizerMismatchError
 
 
@@ -160,25 +160,27 @@ class SentencePieceTokenizer(Tokenizer):
 
     def encode_to_arrays(self, texts: Sequence[str], dtype_name: str, eod_id: int | None,
                          cache_segments: bool = True) -> tuple[np.ndarray, np.ndarray]:
-        cache = self.segment_cache(dtype_name) if cache_segments else None
-        if cache is None:
+        encoder = self.segment_cache(dtype_name) if cache_segments else None
+        if encoder is None:
             return super().encode_to_arrays(texts, dtype_name, eod_id)
-        eod = b"" if eod_id is None else np.array([eod_id], dtype=dtype_name).tobytes()
-        encoded = [cache.encode(text) + eod for text in texts]
+        encoded = encoder.encode_batch(texts)
         itemsize = np.dtype(dtype_name).itemsize
-        lengths = np.fromiter((len(data) // itemsize for data in encoded), dtype=np.int64, count=len(encoded))
-        return np.frombuffer(b"".join(encoded), dtype=dtype_name), lengths
+        lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)) // itemsize
+        if eod_id is None or not encoded:
+            return np.frombuffer(b"".join(encoded), dtype=dtype_name), lengths
+        eod = np.array([eod_id], dtype=dtype_name).tobytes()
+        return np.frombuffer(eod.join(encoded) + eod, dtype=dtype_name), lengths + 1
 
-    def segment_cache(self, dtype_name: str) -> "_SegmentCache | None":
+    def segment_cache(self, dtype_name: str) -> SegmentCachedEncoder | None:
         """The memoising encoder for this model (None when the model does not allow one;
         `segment_cache_blocker` says why)."""
         if not hasattr(self, "segment_cache_blocker"):
-            self.segment_cache_blocker = _segment_cache_blocker(self._sp)
-            self._segment_caches: dict[str, _SegmentCache] = {}
+            self.segment_cache_blocker = cache_blocker(self._sp)
+            self._segment_caches: dict[str, SegmentCachedEncoder] = {}
         if self.segment_cache_blocker is not None:
             return None
         if dtype_name not in self._segment_caches:
-            self._segment_caches[dtype_name] = _SegmentCache(self._sp, dtype_name)
+            self._segment_caches[dtype_name] = SegmentCachedEncoder(self._sp, dtype_name)
         return self._segment_caches[dtype_name]
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -222,145 +224,3 @@ class HFTokenizer(Tokenizer):
 
     def pieces(self) -> list[str]:
         return self._tok.convert_ids_to_tokens(list(range(self.vocab_size)))
-
-
-# ---- memoised sentencepiece BPE encoding -------------------------------------------------------
-_SPACE_KEYS = re.compile(r" ( *[^ ]*)")
-
-
-def _segment_cache_blocker(sp) -> str | None:
-    """Why `_SegmentCache` would not reproduce `sp.encode` for this model, or None if it does.
-
-    The cache relies on BPE merges never joining a non-space character to a following space:
-    then the text splits, before every run of spaces that follows a non-space, into segments
-    that encode independently. That holds when the normaliser is the identity (no character
-    map, no added or removed whitespace), and no piece holds `▁` after its first character
-    unless it is all `▁` (whitespace-only pieces such as `▁▁▁▁`). Byte fallback is required so
-    that every token maps to a known number of characters (no `<unk>` spans).
-    """
-    try:
-        from sentencepiece import sentencepiece_model_pb2
-    except ImportError:  # protobuf missing: cannot inspect the model, so do not assume
-        return "sentencepiece_model_pb2 (protobuf) is not importable"
-    model = sentencepiece_model_pb2.ModelProto()
-    model.ParseFromString(sp.serialized_model_proto())
-    trainer, normalizer = model.trainer_spec, model.normalizer_spec
-    if trainer.model_type != sentencepiece_model_pb2.TrainerSpec.BPE:
-        return "not a BPE model"
-    if not trainer.byte_fallback:
-        return "no byte fallback"
-    if trainer.treat_whitespace_as_suffix:
-        return "whitespace is a suffix"
-    if normalizer.precompiled_charsmap or normalizer.add_dummy_prefix or normalizer.remove_extra_whitespaces:
-        return "the normaliser changes the text"
-    if not normalizer.escape_whitespaces:
-        return "whitespace is not escaped"
-    pieces = [(piece.piece, piece.type) for piece in model.pieces]
-    types = sentencepiece_model_pb2.ModelProto.SentencePiece
-    if any(kind == types.USER_DEFINED for _, kind in pieces):
-        return "user-defined symbols"
-    if not any(piece == "\u2581" and kind == types.NORMAL for piece, kind in pieces):
-        return "no plain space piece"
-    for piece, kind in pieces:
-        if kind == types.NORMAL and "\u2581" in piece[1:] and piece.strip("\u2581"):
-            return f"piece {piece!r} joins text across a space"
-    return None
-
-
-class _CacheMismatch(Exception):
-    """Newly encoded segments did not line up with token boundaries."""
-
-
-class _SegmentCache:
-    """Encodes texts exactly like `sp.encode`, memoising space-separated segments.
-
-    Per-document sentencepiece BPE costs about a microsecond per token, and most words recur,
-    so each segment (a run of spaces plus the following non-space characters) is encoded once
-    and its token bytes reused, the way HF tokenizers and tiktoken cache words. Segments not
-    yet cached are encoded together in one `sp.encode` call on their concatenation (valid by
-    the same independence property; see `_segment_cache_blocker`), and the result is cut back
-    into segments by the characters each token covers; if the cut does not line up, the
-    document is encoded whole instead. The cache is bounded (entries and key length), so memory
-    does not grow with the input.
-    """
-
-    MAX_ENTRIES = 1 << 19  # ~130 bytes each: <= ~70 MB per worker
-    MAX_KEY_CHARS = 48
-
-    def __init__(self, sp, dtype_name: str) -> None:
-        self.sp = sp
-        self.dtype = np.dtype(dtype_name)
-        chars = np.zeros(sp.vocab_size(), dtype=np.int64)
-        for token in range(sp.vocab_size()):
-            if sp.is_byte(token):
-                value = int(sp.id_to_piece(token)[1:-1], 16)
-                chars[token] = 0 if 0x80 <= value < 0xC0 else 1  # continuation bytes add no character
-            elif not (sp.is_control(token) or sp.is_unknown(token)):
-                chars[token] = len(sp.id_to_piece(token))
-        self.token_chars = chars
-        self.cache: dict[str, bytes] = {}  # key -> bytes of sp.encode(" " + key)
-        self.segments = self.misses = 0
-
-    def _to_bytes(self, ids) -> bytes:
-        return np.asarray(ids, dtype=self.dtype).tobytes()
-
-    def encode(self, text: str) -> bytes:
-        """Token ids of `text` as bytes of `dtype` (identical to `sp.encode(text)`)."""
-        if "\u2581" in text:  # a literal `▁` acts as a space inside sentencepiece: keep it simple
-            return self._to_bytes(self.sp.encode(text))
-        if len(self.cache) >= self.MAX_ENTRIES:
-            self.cache.clear()  # crude but bounded; frequent words come back within a few documents
-        try:
-            return self._encode_piece(text)
-        except _CacheMismatch:  # a token spanned two segments (never seen): encode it whole
-            return self._to_bytes(self.sp.encode(text))
-
-    def _encode_piece(self, text: str) -> bytes:
-        if "  " in text:
-            first = text.find(" ")
-            head = text if first < 0 else text[:first]
-            keys = _SPACE_KEYS.findall(text)  # each key: a segment without its first space
-        else:
-            keys = text.split(" ")
-            head = keys[0]
-            keys = keys[1:]
-        cache = self.cache
-        parts = list(map(cache.get, keys))
-        self.segments += len(keys)
-        if None in parts:
-            missing = dict.fromkeys([key for key, part in zip(keys, parts) if part is None])
-            self.misses += len(missing)
-            if not self._encode_missing(missing):
-                raise _CacheMismatch
-            cache.update(missing)  # long keys too, for the lookup below; removed after it
-            parts = list(map(cache.__getitem__, keys))
-            for key in missing:
-                if len(key) > self.MAX_KEY_CHARS:
-                    del cache[key]  # rarely repeats; not worth the memory
-        if head:  # the text before the first space: once per document, not worth caching
-            parts.insert(0, self._to_bytes(self.sp.encode(head)))
-        return b"".join(parts)
-
-    def _encode_missing(self, missing: dict) -> bool:
-        """Fill `missing` (key -> None) with the bytes of `sp.encode(" " + key)`; cache them."""
-        joined_keys = []
-        for key in missing:
-            if key.strip(" "):
-                joined_keys.append(key)
-            else:  # only spaces (end of a text): would merge with the next segment's spaces
-                missing[key] = self._to_bytes(self.sp.encode(" " + key))
-        if joined_keys:
-            ids = np.asarray(self.sp.encode(" " + " ".join(joined_keys)), dtype=np.int64)
-            token_ends = np.cumsum(self.token_chars[ids])
-            segment_ends = np.cumsum([len(key) + 1 for key in joined_keys])
-            # A character beyond the vocabulary is several byte tokens; only the first counts a
-            # character, so a segment ends at the last token not past its end ('right').
-            cuts = np.searchsorted(token_ends, segment_ends, side="right") - 1
-            if cuts[-1] != len(ids) - 1 or not np.array_equal(token_ends[cuts], segment_ends):
-                return False  # a token spans two segments: the model breaks the assumption
-            data = ids.astype(self.dtype).tobytes()
-            itemsize = self.dtype.itemsize
-            starts = np.concatenate(([0], cuts[:-1] + 1)) * itemsize
-            for key, start, stop in zip(joined_keys, starts.tolist(), ((cuts + 1) * itemsize).tolist()):
-                missing[key] = data[start:stop]
-        return True

@@ -42,6 +42,31 @@ def test_segment_cache_encodes_like_sentencepiece(small_tokenizer, shared_data, 
     assert np.array_equal(plain_flat, flat) and np.array_equal(plain_lengths, lengths)
 
 
+def test_segment_cache_is_bounded_and_exact_when_full(small_tokenizer):
+    tokenizer = Tokenizer.from_path(small_tokenizer)
+    encoder = tokenizer.segment_cache("uint16")
+    encoder.max_entries = 40  # full after the first batch
+    encoder.cache.clear()
+    texts = [open(f.path, encoding="utf-8").read() for f in builtin_corpus_files("builtin:python-stdlib:300KB")]
+    for start in range(0, len(texts), 7):
+        batch = texts[start:start + 7] + EDGE_TEXTS
+        assert encoder.encode_batch(batch) == [np.array(tokenizer.encode(t), dtype=np.uint16).tobytes() for t in batch]
+        assert len(encoder.cache) <= 40
+    assert len(encoder.cache) == 40 and encoder.misses > 40
+
+
+def test_segment_cache_falls_back_when_a_cut_does_not_line_up(small_tokenizer):
+    """The cut of newly encoded segments is checked: with wrong character counts (as a model
+    breaking the assumptions would produce) the batch is encoded per document, same ids."""
+    tokenizer = Tokenizer.from_path(small_tokenizer)
+    encoder = tokenizer.segment_cache("uint16")
+    encoder.cache.clear()
+    encoder.token_chars = encoder.token_chars + 1
+    texts = ["a fresh batch of words", "def f(x):\n    return  x  "]
+    assert encoder.encode_batch(texts) == [np.array(tokenizer.encode(t), dtype=np.uint16).tobytes() for t in texts]
+    assert not encoder.cache  # nothing learnt from a failed cut
+
+
 def test_segment_cache_refuses_models_it_cannot_reproduce(tmp_path):
     from megatron_iiet.data.tokenizer_training import TokenizerTrainingConfig, train_tokenizer
 
