@@ -29,6 +29,12 @@ def _env_int(*names: str, default: int) -> int:
     return default
 
 
+def barrier() -> None:
+    """A barrier over all ranks, or nothing in a single process without a group."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def initialize(
     tensor_parallel: int = 1,
     pipeline_parallel: int = 1,

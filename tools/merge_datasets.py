@@ -13,11 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
 
-
-def fail(error: BaseException) -> None:
-    """Exit non-zero with a one-line reason (no traceback for bad input)."""
-    print(f"error: {error}", file=sys.stderr)
-    raise SystemExit(2)
+from megatron_iiet.cli import fail  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

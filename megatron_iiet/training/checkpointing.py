@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 
+from megatron_iiet.distributed import barrier
+
 LATEST = "latest"
 META = "meta.json"
 PARTIAL_SUFFIX = ".partial"
@@ -65,11 +67,6 @@ def layout() -> dict:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
@@ -129,7 +126,7 @@ class CheckpointManager:
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in self.root.glob(f"iter_*{PARTIAL_SUFFIX}"):
                 shutil.rmtree(stale, ignore_errors=True)  # an interrupted save
-        _barrier()
+        barrier()
 
     # ---- saving ----------------------------------------------------------------------------
     def save(self, engine, state: TrainingState, meta_extra: dict) -> Path:
@@ -141,7 +138,7 @@ class CheckpointManager:
         if _rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
-        _barrier()
+        barrier()
 
         model = engine.module
         with engine.full_parameters():
@@ -168,7 +165,7 @@ class CheckpointManager:
 
         def commit():
             _fault_injection_pause(partial)
-            _barrier()
+            barrier()
             if _rank() == 0:
                 _write_text_atomic(partial / META, json.dumps(meta, indent=2, default=str))
                 superseded = final.with_name(final.name + ".superseded")
@@ -179,7 +176,7 @@ class CheckpointManager:
                 _write_text_atomic(self.root / LATEST, name)
                 shutil.rmtree(superseded, ignore_errors=True)
                 self._prune()
-            _barrier()
+            barrier()
 
         if request is None:
             commit()

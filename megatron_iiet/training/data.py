@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 
 from megatron_iiet.data.blend import validate_blend
 from megatron_iiet.data.tokenizer import Tokenizer
+from megatron_iiet.distributed import barrier
 from megatron_iiet.training.config import TrainConfig
 
 
@@ -46,7 +47,7 @@ def resolve_sources(cfg: TrainConfig, rank: int = 0) -> DataSources:
             prepared = prepare_builtin_corpus(data.builtin_dir, vocab_size=data.builtin_vocab_size,
                                               corpus_size=data.builtin_corpus_size)
             marker.write_text(prepared.data_prefix)
-        _barrier()
+        barrier()
         tokenizer_path = str(Path(data.builtin_dir) / "tokenizer" / "tokenizer.model")
         train_spec: object = marker.read_text()
     else:
@@ -63,11 +64,6 @@ def resolve_sources(cfg: TrainConfig, rank: int = 0) -> DataSources:
     except ValueError as e:
         raise ValueError(f"data: {e}") from e
     return DataSources(tokenizer, train, valid)
-
-
-def _barrier():
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
 
 
 def _megatron_tokenizer(tokenizer: Tokenizer):
