@@ -257,15 +257,23 @@ _LAYER_RENAMES = (
 _HISTORY_NORMS = (("predictor_norm", "rouge_predictions_norm"), ("corrector_norm", "layer_norms"))
 
 
+def _taker(tensors: dict[str, torch.Tensor], what: str):
+    """`take(name)`: remove and return tensors[name]; a missing one is a ConversionError. What is
+    left at the end had no counterpart."""
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise ConversionError(f"{what} {name} is missing")
+        return tensors.pop(name)
+
+    return take
+
+
 def megatron_to_hf_tensors(meg: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     """Full megatron tensors (TP=1/PP=1 names) -> HF state dict (lm_head only when untied)."""
     meg = dict(meg)
     hf: dict[str, torch.Tensor] = {}
 
-    def take(name):
-        if name not in meg:
-            raise ConversionError(f"checkpoint tensor {name} is missing")
-        return meg.pop(name)
+    take = _taker(meg, "checkpoint tensor")
 
     hf["model.embed_tokens.weight"] = take("embedding.word_embeddings.weight")
     pop_rows, refine_rows = [], []
@@ -310,10 +318,7 @@ def hf_to_megatron_tensors(hf: dict[str, torch.Tensor], cfg) -> dict[str, torch.
     hf = dict(hf)
     meg: dict[str, torch.Tensor] = {}
 
-    def take(name):
-        if name not in hf:
-            raise ConversionError(f"HF tensor {name} is missing")
-        return hf.pop(name)
+    take = _taker(hf, "HF tensor")
 
     def padded_vocab(t):
         # Rows past the tokenizer's vocabulary are never a label or an input; zeros, as the
