@@ -236,6 +236,8 @@ def run_preprocess(config: PreprocessConfig) -> PreprocessSummary:
     started = time.perf_counter()
     if config.text_unit not in TEXT_UNITS:
         raise DataInputError(f"--text-unit {config.text_unit!r}: choose one of {', '.join(TEXT_UNITS)}")
+    if config.segment_cache_entries < 0:
+        raise DataInputError(f"--segment-cache-entries must be >= 0 (0 turns the cache off), got {config.segment_cache_entries}")
     if config.shard_size is not None and config.shard_size <= 0:
         raise DataInputError(f"--shard-size must be positive, got {config.shard_size}")
     tokenizer = Tokenizer.from_path(config.tokenizer)

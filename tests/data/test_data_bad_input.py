@@ -83,6 +83,15 @@ def test_vocab_does_not_fit_dtype(tmp_path, small_tokenizer):
     assert _no_output(tmp_path)
 
 
+def test_negative_settings_are_refused(tmp_path, small_tokenizer):
+    source = write_jsonl(tmp_path / "in.jsonl", ["x"])
+    with pytest.raises(DataInputError, match="--segment-cache-entries must be >= 0"):
+        _run(tmp_path, small_tokenizer, [source], segment_cache_entries=-1)
+    with pytest.raises(DataInputError, match="--shard-size must be positive"):
+        _run(tmp_path, small_tokenizer, [source], shard_size=0)
+    assert _no_output(tmp_path)
+
+
 def test_output_directory_with_another_tokenizers_data(tmp_path, small_tokenizer):
     from megatron_iiet.data.tokenizer_training import TokenizerTrainingConfig, train_tokenizer
 
