@@ -19,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
 
 from megatron_iiet.cli import fail  # noqa: E402
+from megatron_iiet.data.bpe_cache import DEFAULT_MAX_ENTRIES  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=None, help="token dtype (default: smallest that fits the vocabulary)")
     parser.add_argument("--no-eod", action="store_true", help="do not append EOD after each document")
     parser.add_argument("--batch-documents", type=int, default=512, help="documents per worker task")
-    parser.add_argument("--segment-cache-entries", type=int, default=1 << 18,
+    parser.add_argument("--segment-cache-entries", type=int, default=DEFAULT_MAX_ENTRIES,
                         help="words memoised per worker (~160 bytes each; same output at any size)")
     parser.add_argument("--no-segment-cache", action="store_true",
                         help="encode every document with sentencepiece directly (same output, slower)")

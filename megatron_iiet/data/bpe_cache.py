@@ -29,6 +29,7 @@ from typing import Sequence
 import numpy as np
 
 _SPACE_KEYS = re.compile(r" ( *[^ ]*)")
+DEFAULT_MAX_ENTRIES = 1 << 18  # ~160 bytes each (key, ids, dict slot): ~40 MB per worker
 
 
 def cache_blocker(sp) -> str | None:
@@ -76,9 +77,9 @@ class SegmentCachedEncoder:
     MAX_KEY_CHARS = 32  # longer segments rarely repeat: not kept
     KEYS_PER_CALL = 256
 
-    def __init__(self, sp, dtype_name: str, max_entries: int = 1 << 18) -> None:
+    def __init__(self, sp, dtype_name: str, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
         self.sp = sp
-        self.max_entries = max_entries  # ~160 bytes each (key, ids, dict slot): ~40 MB
+        self.max_entries = max_entries
         self.dtype = np.dtype(dtype_name)
         chars = np.zeros(sp.vocab_size(), dtype=np.int64)  # characters each token covers
         for token in range(sp.vocab_size()):
@@ -89,10 +90,7 @@ class SegmentCachedEncoder:
                 chars[token] = len(sp.id_to_piece(token))
         self.token_chars = chars
         self.cache: dict[str, bytes] = {}  # key -> bytes of sp.encode(" " + key)
-        self.lookups = self.misses = 0
-
-    def encode(self, text: str) -> bytes:
-        return self.encode_batch([text])[0]
+        self.misses = 0  # new keys encoded (a key missing in several batches counts each time)
 
     def encode_batch(self, texts: Sequence[str]) -> list[bytes]:
         splits = [_split(text) for text in texts]
@@ -108,7 +106,6 @@ class SegmentCachedEncoder:
             if None in parts:
                 missing.extend(itertools.compress(keys, map(operator.is_, parts, itertools.repeat(None))))
             parts_of.append(parts)
-            self.lookups += len(keys)
         missing = list(dict.fromkeys(missing))
         self.misses += len(missing)
         try:

@@ -26,6 +26,7 @@ from typing import Iterator
 import numpy as np
 
 from megatron_iiet.data import indexed_io
+from megatron_iiet.data.bpe_cache import DEFAULT_MAX_ENTRIES
 from megatron_iiet.data.errors import DataInputError, TokenizerMismatchError
 from megatron_iiet.data.inputs import TEXT_UNITS, Document, ReaderConfig, iter_documents, inputs_signature, resolve_inputs
 from megatron_iiet.data.tokenizer import Tokenizer, check_dtype_fits, smallest_token_dtype
@@ -48,7 +49,7 @@ class PreprocessConfig:
     batch_chars: int = 1 << 20  # also close a batch at this much text, whatever the count
     # Words whose sentencepiece BPE ids each worker memoises (byte-identical output; models where
     # that cannot be guaranteed fall back to per-document encoding by themselves); 0: none.
-    segment_cache_entries: int = 1 << 18
+    segment_cache_entries: int = DEFAULT_MAX_ENTRIES
     hf_reader: bool = False  # read .jsonl/.txt through HF datasets too (default: a direct reader)
     overwrite: bool = False  # replace output of a run with different arguments
     progress: bool = True
