@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-eod", action="store_true", help="do not append EOD after each document")
     parser.add_argument("--batch-documents", type=int, default=512, help="documents per worker task")
     parser.add_argument("--segment-cache-entries", type=int, default=DEFAULT_MAX_ENTRIES,
-                        help="words memoised per worker (~160 bytes each; same output at any size)")
+                        help="segments (words, punctuation, ...) memoised per worker (~40 bytes each; same output at any size)")
     parser.add_argument("--no-segment-cache", action="store_true",
                         help="encode every document with sentencepiece directly (same output, slower)")
     parser.add_argument("--hf-reader", action="store_true", help="read .jsonl/.txt through HF datasets too (same rows, slower start)")

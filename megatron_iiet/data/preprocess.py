@@ -47,7 +47,7 @@ class PreprocessConfig:
     append_eod: bool = True
     batch_documents: int = 512
     batch_chars: int = 1 << 20  # also close a batch at this much text, whatever the count
-    # Words whose sentencepiece BPE ids each worker memoises (byte-identical output; models where
+    # Segments whose sentencepiece BPE ids each worker memoises (byte-identical output; models where
     # that cannot be guaranteed fall back to per-document encoding by themselves); 0: none.
     segment_cache_entries: int = DEFAULT_MAX_ENTRIES
     hf_reader: bool = False  # read .jsonl/.txt through HF datasets too (default: a direct reader)
@@ -84,7 +84,7 @@ def _init_worker(tokenizer_path: str, dtype_name: str, eod_id: int | None, segme
     _WORKER_DTYPE, _WORKER_EOD, _WORKER_SEGMENT_CACHE = dtype_name, eod_id, segment_cache_entries > 0
     encoder = _WORKER_TOKENIZER.segment_cache(dtype_name) if segment_cache_entries > 0 else None
     if encoder is not None:
-        encoder.max_entries = segment_cache_entries
+        encoder.reset(segment_cache_entries)
 
 
 def _tokenize_batch(texts: list[str | None]) -> tuple[np.ndarray, np.ndarray, int]:

@@ -45,26 +45,65 @@ def test_segment_cache_encodes_like_sentencepiece(small_tokenizer, shared_data, 
 def test_segment_cache_is_bounded_and_exact_when_full(small_tokenizer):
     tokenizer = Tokenizer.from_path(small_tokenizer)
     encoder = tokenizer.segment_cache("uint16")
-    encoder.max_entries = 40  # full after the first batch
-    encoder.cache.clear()
+    encoder.reset(40)  # full after the first batch
     texts = [open(f.path, encoding="utf-8").read() for f in builtin_corpus_files("builtin:python-stdlib:300KB")]
     for start in range(0, len(texts), 7):
         batch = texts[start:start + 7] + EDGE_TEXTS
         assert encoder.encode_batch(batch) == [np.array(tokenizer.encode(t), dtype=np.uint16).tobytes() for t in batch]
-        assert len(encoder.cache) <= 40
-    assert len(encoder.cache) == 40 and encoder.misses > 40
+        assert len(encoder.table) <= 40
+    assert len(encoder.table) == 40 and encoder.misses > 40
 
 
-def test_segment_cache_falls_back_when_a_cut_does_not_line_up(small_tokenizer):
-    """The cut of newly encoded segments is checked: with wrong character counts (as a model
-    breaking the assumptions would produce) the batch is encoded per document, same ids."""
-    tokenizer = Tokenizer.from_path(small_tokenizer)
+def test_segment_cache_is_exact_when_pieces_span_spaces(tmp_path):
+    """A model trained without splitting at whitespace has pieces like `e▁t`: the cut then falls
+    only where no piece joins two characters, and the ids still equal sentencepiece's."""
+    import sentencepiece
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"the cat sat on the mat {i % 7}\n  of the  day\n" for i in range(400)), encoding="utf-8")
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(tmp_path / "m"), model_type="bpe", vocab_size=300, byte_fallback=True,
+        split_by_whitespace=False, normalization_rule_name="identity", add_dummy_prefix=False,
+        remove_extra_whitespaces=False, minloglevel=2)
+    tokenizer = Tokenizer.from_path(tmp_path / "m.model")
+    spanning = [p for p in tokenizer.pieces() if p.strip("\u2581") and "\u2581" in p.strip("\u2581")]
+    assert spanning, "the model should hold pieces across a space"
     encoder = tokenizer.segment_cache("uint16")
-    encoder.cache.clear()
-    encoder.token_chars = encoder.token_chars + 1
-    texts = ["a fresh batch of words", "def f(x):\n    return  x  "]
-    assert encoder.encode_batch(texts) == [np.array(tokenizer.encode(t), dtype=np.uint16).tobytes() for t in texts]
-    assert not encoder.cache  # nothing learnt from a failed cut
+    assert encoder is not None, tokenizer.segment_cache_blocker
+    texts = ["the cat sat on the mat 3\n  of the  day", "the mat\u2581the cat", "xyz the  cat"] + EDGE_TEXTS
+    for _ in range(2):  # the second time from the table
+        assert encoder.encode_batch(texts) == [np.array(tokenizer.encode(t), dtype=np.uint16).tobytes() for t in texts]
+
+
+def test_segment_table_checks_its_protocol(small_tokenizer):
+    encoder = Tokenizer.from_path(small_tokenizer).segment_cache("uint16")
+    table = encoder.table
+    with pytest.raises(ValueError, match="scan"):
+        table.join(["a b"], [])  # no scan before
+    missing = table.scan(["a b", "a"])
+    with pytest.raises(ValueError, match="scan"):
+        table.join(["a b"], [])  # not the scanned texts
+    with pytest.raises(ValueError, match="fresh"):
+        table.join(["a b", "a"], [])  # the missing segments' ids not given
+    with pytest.raises(TypeError):
+        table.scan([b"bytes"])
+    with pytest.raises(TypeError):
+        table.add(missing, [None] * len(missing))
+    with pytest.raises(TypeError):
+        table.add(missing, [])
+
+
+def test_without_the_c_table_encoding_falls_back_to_sentencepiece(small_tokenizer, monkeypatch):
+    """Where the C helper could not be compiled (no compiler at install), documents are encoded
+    one by one, same ids. The missing module is simulated: a compiler cannot be taken away here."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "megatron_iiet.data._segment_table", None)
+    tokenizer = Tokenizer.from_path(small_tokenizer)
+    assert tokenizer.segment_cache("uint16") is None and "not built" in tokenizer.segment_cache_blocker
+    texts = ["x = 1  y", "def f():\n    return  2\n"]
+    flat, _ = tokenizer.encode_to_arrays(texts, "uint16", tokenizer.eod_id)
+    assert np.array_equal(flat, np.concatenate(_plain(tokenizer, texts, tokenizer.eod_id)))
 
 
 def test_segment_cache_refuses_models_it_cannot_reproduce(tmp_path):
