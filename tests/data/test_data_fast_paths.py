@@ -54,6 +54,23 @@ def test_segment_cache_is_bounded_and_exact_when_full(small_tokenizer):
     assert len(encoder.table) == 40 and encoder.misses > 40
 
 
+def test_segment_cache_matches_sentencepiece_on_random_texts(small_tokenizer):
+    """Random texts over an alphabet of the awkward cases (spaces and their runs, a literal `▁`,
+    CRLF, tabs, NUL, characters outside the vocabulary, multi-byte UTF-8), with a small table that
+    fills up: every batch equals sentencepiece, the first time and from the table."""
+    import random
+
+    tokenizer = Tokenizer.from_path(small_tokenizer)
+    encoder = tokenizer.segment_cache("uint16")
+    encoder.reset(300)
+    rng = random.Random(0)
+    alphabet = list("abcdefghij ABC  ,.;'\"\r\n\t-") + ["\u2581", "é", "日", "本", "🙂", "\x00", "ß", "  ", "the ", " and", "ing"]
+    for _ in range(200):
+        texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 80))) for _ in range(rng.randint(1, 20))]
+        assert encoder.encode_batch(texts) == [np.array(tokenizer.encode(t), dtype=np.uint16).tobytes() for t in texts], texts
+    assert len(encoder.table) == 300
+
+
 def test_segment_cache_is_exact_when_pieces_span_spaces(tmp_path):
     """A model trained without splitting at whitespace has pieces like `e▁t`: the cut then falls
     only where no piece joins two characters, and the ids still equal sentencepiece's."""
