@@ -109,7 +109,7 @@ def inputs_signature(files: list[InputFile]) -> list[list]:
     return [[os.path.abspath(f.path), f.size] for f in files]
 
 
-def _record_word(builder: str) -> str:
+def record_word(builder: str) -> str:
     return "line" if builder in ("json", "text") else "row"
 
 
@@ -160,7 +160,7 @@ def _explain_read_error(input_file: InputFile, row: int, error: Exception) -> Da
         found = _first_bad_json_line(path)
         if found:
             return DataInputError(f"{path}: line {found[0]}: invalid JSON ({found[1]})")
-    word = _record_word(input_file.builder)
+    word = record_word(input_file.builder)
     return DataInputError(f"{path}: {word} {row + 1}: cannot read ({type(error).__name__}: {error})")
 
 
@@ -284,7 +284,7 @@ def iter_file_documents(input_file: InputFile, file_index: int, config: ReaderCo
         if key not in record:
             fields = ", ".join(sorted(record)) or "none"
             raise DataInputError(
-                f"{input_file.path}: {_record_word(input_file.builder)} {row + 1}: no field {key!r} "
+                f"{input_file.path}: {record_word(input_file.builder)} {row + 1}: no field {key!r} "
                 f"(fields: {fields}); choose the text field with --text-key"
             )
         text = record[key]
@@ -298,7 +298,7 @@ def iter_file_documents(input_file: InputFile, file_index: int, config: ReaderCo
             )
         if text is not None and not isinstance(text, str):
             raise DataInputError(
-                f"{input_file.path}: {_record_word(input_file.builder)} {row + 1}: field {key!r} holds "
+                f"{input_file.path}: {record_word(input_file.builder)} {row + 1}: field {key!r} holds "
                 f"{type(text).__name__}, not text"
             )
         yield Document(file_index, row, text)

@@ -28,7 +28,7 @@ import numpy as np
 from megatron_iiet.data import indexed_io
 from megatron_iiet.data.bpe_cache import DEFAULT_MAX_ENTRIES
 from megatron_iiet.data.errors import DataInputError, TokenizerMismatchError
-from megatron_iiet.data.inputs import TEXT_UNITS, Document, ReaderConfig, iter_documents, inputs_signature, resolve_inputs
+from megatron_iiet.data.inputs import TEXT_UNITS, Document, ReaderConfig, record_word, iter_documents, inputs_signature, resolve_inputs
 from megatron_iiet.data.tokenizer import Tokenizer, check_dtype_fits, smallest_token_dtype
 
 
@@ -189,10 +189,25 @@ def _batches(documents: Iterator[Document], config: PreprocessConfig):
         yield batch
 
 
+def _unencodable_text_error(batch: list[Document], files) -> DataInputError | None:
+    """The document of `batch` that is not valid Unicode (JSON can spell a lone surrogate,
+    `"\\ud800"`, which no tokenizer can encode), as an error naming its file and line."""
+    for document in batch:
+        try:
+            (document.text or "").encode("utf-8")
+        except UnicodeEncodeError as error:
+            input_file = files[document.file_index]
+            return DataInputError(
+                f"{input_file.path}: {record_word(input_file.builder)} {document.row + 1}: text is not valid Unicode "
+                f"({error.reason}: {error.object[error.start:error.end]!r} at character {error.start})")
+    return None
+
+
 class _OrderedTokenizer:
     """Tokenize batches in worker processes, results in input order, bounded read-ahead."""
 
-    def __init__(self, config: PreprocessConfig, dtype_name: str, eod_id: int | None) -> None:
+    def __init__(self, config: PreprocessConfig, dtype_name: str, eod_id: int | None, files) -> None:
+        self.files = files
         self.workers = config.workers
         init_args = (config.tokenizer, dtype_name, eod_id, config.segment_cache_entries)
         if self.workers > 0:
@@ -207,7 +222,7 @@ class _OrderedTokenizer:
     def map(self, batches):
         if self.pool is None:
             for batch in batches:
-                yield batch, _tokenize_batch([d.text for d in batch])
+                yield batch, self._checked(batch, lambda: _tokenize_batch([d.text for d in batch]))
             return
         pending: deque = deque()
         limit = 2 * self.workers + 2
@@ -215,10 +230,19 @@ class _OrderedTokenizer:
             pending.append((batch, self.pool.submit(_tokenize_batch, [d.text for d in batch])))
             if len(pending) >= limit:
                 done_batch, result = pending.popleft()
-                yield done_batch, result.result()
+                yield done_batch, self._checked(done_batch, result.result)
         while pending:
             done_batch, result = pending.popleft()
-            yield done_batch, result.result()
+            yield done_batch, self._checked(done_batch, result.result)
+
+    def _checked(self, batch, tokenize):
+        try:
+            return tokenize()
+        except UnicodeEncodeError:
+            error = _unencodable_text_error(batch, self.files)
+            if error is None:
+                raise
+            raise error from None
 
     def close(self, terminate: bool = False) -> None:
         if self.pool is not None:
@@ -288,7 +312,7 @@ def run_preprocess(config: PreprocessConfig) -> PreprocessSummary:
 
     reader_config = ReaderConfig(text_key=config.text_key, text_unit=config.text_unit, hf_reader=config.hf_reader)
     documents = iter_documents(files, reader_config, start_file, start_row)
-    engine = _OrderedTokenizer(config, dtype_name, eod_id)
+    engine = _OrderedTokenizer(config, dtype_name, eod_id, files)
     bar = _progress_bar(config, sum(f.size for f in files), sum(f.size for f in files[:start_file]))
     writer = open_writer()
     shard_stats = {"empty_documents": 0, "skipped_documents": 0}

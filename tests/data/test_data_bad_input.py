@@ -48,6 +48,16 @@ def test_invalid_utf8_names_file_and_line(tmp_path, small_tokenizer):
         _run(tmp_path, small_tokenizer, [text], text_unit="line")
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_lone_surrogate_names_file_and_line(tmp_path, small_tokenizer, workers):
+    """Valid UTF-8 and valid JSON, but `\\ud800` decodes to a lone surrogate: not encodable text."""
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"text": "fine"}\n{"text": "bad \\ud800 here"}\n', encoding="utf-8")
+    with pytest.raises(DataInputError, match=r"in\.jsonl: line 2: text is not valid Unicode \(surrogates not allowed"):
+        _run(tmp_path, small_tokenizer, [source], workers=workers)
+    assert _no_output(tmp_path)
+
+
 def test_invalid_json_names_line(tmp_path, small_tokenizer):
     source = tmp_path / "in.jsonl"
     source.write_text('{"text": "a"}\n{"text": \n', encoding="utf-8")
