@@ -282,6 +282,14 @@ static Py_ssize_t SegmentTable_len(SegmentTable *self)
     return (Py_ssize_t)self->table.count;
 }
 
+static int check_initialised(SegmentTable *self)
+{
+    if (self->table.slots)
+        return 0;
+    PyErr_SetString(PyExc_RuntimeError, "SegmentTable.__init__ was not called");
+    return -1;
+}
+
 /* The ref of one segment; a key in neither the table nor `seen` is added to `seen` and `missing`. */
 static int scan_segment(SegmentTable *self, Table *seen, PyObject *missing, const char *key, Py_ssize_t key_len)
 {
@@ -342,6 +350,8 @@ PyDoc_STRVAR(scan_doc, "scan(texts) -> missing\n\n"
 
 static PyObject *SegmentTable_scan(SegmentTable *self, PyObject *texts)
 {
+    if (check_initialised(self) < 0)
+        return NULL;
     PyObject *seq = PySequence_Fast(texts, "texts must be a sequence of str");
     if (!seq)
         return NULL;
@@ -406,7 +416,7 @@ PyDoc_STRVAR(add_doc, "add(segments, ids) -> int\n\n"
 static PyObject *SegmentTable_add(SegmentTable *self, PyObject *args)
 {
     PyObject *keys, *values;
-    if (!PyArg_ParseTuple(args, "OO", &keys, &values) || check_fresh(keys, values) < 0)
+    if (check_initialised(self) < 0 || !PyArg_ParseTuple(args, "OO", &keys, &values) || check_fresh(keys, values) < 0)
         return NULL;
     Py_ssize_t added = 0;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(keys) && (Py_ssize_t)self->table.count < self->max_entries; i++) {
@@ -437,7 +447,7 @@ PyDoc_STRVAR(join_doc, "join(texts, fresh) -> list\n\n"
 static PyObject *SegmentTable_join(SegmentTable *self, PyObject *args)
 {
     PyObject *texts, *fresh;
-    if (!PyArg_ParseTuple(args, "OO!", &texts, &PyList_Type, &fresh))
+    if (check_initialised(self) < 0 || !PyArg_ParseTuple(args, "OO!", &texts, &PyList_Type, &fresh))
         return NULL;
     Py_ssize_t n = PyObject_Length(texts);
     if (n < 0)

@@ -108,6 +108,8 @@ def test_segment_table_checks_its_protocol(small_tokenizer):
         table.add(missing, [None] * len(missing))
     with pytest.raises(TypeError):
         table.add(missing, [])
+    with pytest.raises(RuntimeError, match="__init__"):
+        type(table).__new__(type(table)).scan(["a"])
 
 
 def test_without_the_c_table_encoding_falls_back_to_sentencepiece(small_tokenizer, monkeypatch):
