@@ -15,7 +15,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from megatron_iiet.data.corpus import builtin_corpus_files, is_builtin
 from megatron_iiet.data.errors import DataInputError
@@ -50,13 +50,24 @@ class ReaderConfig:
     # Uncompressed .jsonl and .txt are read directly by default (same rows as HF datasets, without
     # its ~2-4 s / ~350 MB import of datasets+torch); True sends them through HF datasets too.
     hf_reader: bool = False
+    # Directly read .jsonl lines come as `JsonLine`s, parsed later by `parse_json_line` (so that
+    # preprocessing workers, not the reading process, pay for JSON decoding).
+    defer_json: bool = False
+
+
+class JsonLine(NamedTuple):
+    """An unparsed jsonl line and where it is, for errors."""
+
+    raw: bytes
+    path: str
+    line: int  # 1-based line number in the file
 
 
 @dataclass(frozen=True)
 class Document:
     file_index: int
     row: int  # 0-based row within the file
-    text: str | None  # None: the record had no text (null); counted as skipped
+    text: str | None | JsonLine  # None: the record had no text (null); counted as skipped
 
 
 def _builder_for(path: Path) -> str | None:
@@ -192,33 +203,36 @@ def _direct_format(input_file: InputFile) -> str | None:
     return None
 
 
-def _direct_jsonl(input_file: InputFile, file_index: int, key: str, start_row: int) -> Iterator[Document]:
+def parse_json_line(line: JsonLine, key: str) -> str | None:
+    """The `key` text of one jsonl line (None for a null), or an error naming file and line."""
+    path, number = line.path, line.line
+    try:
+        record = json.loads(line.raw.decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise DataInputError(f"{path}: line {number}: invalid UTF-8 ({error})") from None
+    except ValueError as error:
+        raise DataInputError(f"{path}: line {number}: invalid JSON ({error})") from None
+    if not isinstance(record, dict):
+        raise DataInputError(f"{path}: line {number}: expected a JSON object, got {type(record).__name__}")
+    if key not in record:
+        fields = ", ".join(sorted(record)) or "none"
+        raise DataInputError(f"{path}: line {number}: no field {key!r} (fields: {fields}); choose the text field with --text-key")
+    text = record[key]
+    if text is not None and not isinstance(text, str):
+        raise DataInputError(f"{path}: line {number}: field {key!r} holds {type(text).__name__}, not text")
+    return text
+
+
+def _direct_jsonl(input_file: InputFile, file_index: int, config: ReaderConfig, start_row: int) -> Iterator[Document]:
     """Rows of a jsonl file as HF datasets numbers them (blank lines are not rows)."""
     path, row = input_file.path, 0
     with open(path, "rb") as handle:
         for number, raw in enumerate(handle, start=1):
             if not raw.strip():
                 continue
-            if row < start_row:
-                row += 1
-                continue
-            try:
-                record = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError as error:
-                raise DataInputError(f"{path}: line {number}: invalid UTF-8 ({error})") from None
-            except ValueError as error:
-                raise DataInputError(f"{path}: line {number}: invalid JSON ({error})") from None
-            if not isinstance(record, dict):
-                raise DataInputError(f"{path}: line {number}: expected a JSON object, got {type(record).__name__}")
-            if key not in record:
-                fields = ", ".join(sorted(record)) or "none"
-                raise DataInputError(
-                    f"{path}: line {number}: no field {key!r} (fields: {fields}); choose the text field with --text-key"
-                )
-            text = record[key]
-            if text is not None and not isinstance(text, str):
-                raise DataInputError(f"{path}: line {number}: field {key!r} holds {type(text).__name__}, not text")
-            yield Document(file_index, row, text)
+            if row >= start_row:
+                line = JsonLine(raw, path, number)
+                yield Document(file_index, row, line if config.defer_json else parse_json_line(line, config.text_key))
             row += 1
 
 
@@ -253,7 +267,7 @@ def _direct_text(input_file: InputFile, file_index: int, unit: str, start_row: i
 def iter_file_documents(input_file: InputFile, file_index: int, config: ReaderConfig, start_row: int = 0) -> Iterator[Document]:
     direct = None if config.hf_reader else _direct_format(input_file)
     if direct == "jsonl":
-        yield from _direct_jsonl(input_file, file_index, config.text_key, start_row)
+        yield from _direct_jsonl(input_file, file_index, config, start_row)
         return
     if direct == "text":
         yield from _direct_text(input_file, file_index, config.text_unit, start_row)

@@ -28,7 +28,8 @@ import numpy as np
 from megatron_iiet.data import indexed_io
 from megatron_iiet.data.bpe_cache import DEFAULT_MAX_ENTRIES
 from megatron_iiet.data.errors import DataInputError, TokenizerMismatchError
-from megatron_iiet.data.inputs import TEXT_UNITS, Document, ReaderConfig, record_word, iter_documents, inputs_signature, resolve_inputs
+from megatron_iiet.data.inputs import (TEXT_UNITS, Document, JsonLine, ReaderConfig, inputs_signature, iter_documents,
+                                       parse_json_line, record_word, resolve_inputs)
 from megatron_iiet.data.tokenizer import Tokenizer, check_dtype_fits, smallest_token_dtype
 
 
@@ -76,10 +77,14 @@ _WORKER_TOKENIZER: Tokenizer | None = None
 _WORKER_DTYPE: str = "int32"
 _WORKER_EOD: int | None = None
 _WORKER_SEGMENT_CACHE = True
+_WORKER_TEXT_KEY = "text"
+# What became of each document of a batch: written, or not written because empty / null.
+WRITTEN, EMPTY, NULL = 0, 1, 2
 
 
-def _init_worker(tokenizer_path: str, dtype_name: str, eod_id: int | None, segment_cache_entries: int) -> None:
-    global _WORKER_TOKENIZER, _WORKER_DTYPE, _WORKER_EOD, _WORKER_SEGMENT_CACHE
+def _init_worker(tokenizer_path: str, dtype_name: str, eod_id: int | None, segment_cache_entries: int, text_key: str) -> None:
+    global _WORKER_TOKENIZER, _WORKER_DTYPE, _WORKER_EOD, _WORKER_SEGMENT_CACHE, _WORKER_TEXT_KEY
+    _WORKER_TEXT_KEY = text_key
     _WORKER_TOKENIZER = Tokenizer.from_path(tokenizer_path)
     _WORKER_DTYPE, _WORKER_EOD, _WORKER_SEGMENT_CACHE = dtype_name, eod_id, segment_cache_entries > 0
     encoder = _WORKER_TOKENIZER.segment_cache(dtype_name) if segment_cache_entries > 0 else None
@@ -87,17 +92,23 @@ def _init_worker(tokenizer_path: str, dtype_name: str, eod_id: int | None, segme
         encoder.reset(segment_cache_entries)
 
 
-def _tokenize_batch(texts: list[str | None]) -> tuple[np.ndarray, np.ndarray, int]:
-    """Tokens of the non-empty texts (each followed by EOD) flattened, every text's token count
-    (0 for empty/null texts, which are dropped) and the UTF-8 bytes read."""
-    keep = [bool(text) for text in texts]
+def _document_text(item: str | None | JsonLine, text_key: str) -> str | None:
+    return parse_json_line(item, text_key) if isinstance(item, JsonLine) else item
+
+
+def _tokenize_batch(items: list[str | None | JsonLine]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Tokens of the non-empty texts (each followed by EOD) flattened, every document's token
+    count (0 for empty/null texts, which are dropped), what became of each (WRITTEN / EMPTY /
+    NULL) and the UTF-8 bytes read. Unparsed jsonl lines are parsed here, in the worker."""
+    texts = [_document_text(item, _WORKER_TEXT_KEY) for item in items]
+    kinds = np.array([WRITTEN if text else NULL if text is None else EMPTY for text in texts], dtype=np.int8)
     flat, kept_lengths = _WORKER_TOKENIZER.encode_to_arrays(
         [text for text in texts if text], _WORKER_DTYPE, _WORKER_EOD, cache_segments=_WORKER_SEGMENT_CACHE
     )
     lengths = np.zeros(len(texts), dtype=np.int64)
-    lengths[np.array(keep, dtype=bool)] = kept_lengths
+    lengths[kinds == WRITTEN] = kept_lengths
     read_bytes = sum(len(text.encode("utf-8")) for text in texts if text)
-    return flat, lengths, read_bytes
+    return flat, lengths, kinds, read_bytes
 
 
 # ---- main side -----------------------------------------------------------------------------------
@@ -181,7 +192,8 @@ def _batches(documents: Iterator[Document], config: PreprocessConfig):
     chars = 0
     for document in documents:
         batch.append(document)
-        chars += len(document.text or "")
+        text = document.text
+        chars += len(text.raw if isinstance(text, JsonLine) else text or "")
         if len(batch) >= config.batch_documents or chars >= config.batch_chars:
             yield batch
             batch, chars = [], 0
@@ -189,17 +201,18 @@ def _batches(documents: Iterator[Document], config: PreprocessConfig):
         yield batch
 
 
-def _unencodable_text_error(batch: list[Document], files) -> DataInputError | None:
+def _unencodable_text_error(batch: list[Document], files, text_key: str) -> DataInputError | None:
     """The document of `batch` that is not valid Unicode (JSON can spell a lone surrogate,
     `"\\ud800"`, which no tokenizer can encode), as an error naming its file and line."""
     for document in batch:
         try:
-            (document.text or "").encode("utf-8")
+            (_document_text(document.text, text_key) or "").encode("utf-8")
         except UnicodeEncodeError as error:
             input_file = files[document.file_index]
-            return DataInputError(
-                f"{input_file.path}: {record_word(input_file.builder)} {document.row + 1}: text is not valid Unicode "
-                f"({error.reason}: {error.object[error.start:error.end]!r} at character {error.start})")
+            where = (f"line {document.text.line}" if isinstance(document.text, JsonLine)
+                     else f"{record_word(input_file.builder)} {document.row + 1}")
+            return DataInputError(f"{input_file.path}: {where}: text is not valid Unicode "
+                                  f"({error.reason}: {error.object[error.start:error.end]!r} at character {error.start})")
     return None
 
 
@@ -209,7 +222,8 @@ class _OrderedTokenizer:
     def __init__(self, config: PreprocessConfig, dtype_name: str, eod_id: int | None, files) -> None:
         self.files = files
         self.workers = config.workers
-        init_args = (config.tokenizer, dtype_name, eod_id, config.segment_cache_entries)
+        self.text_key = config.text_key
+        init_args = (config.tokenizer, dtype_name, eod_id, config.segment_cache_entries, config.text_key)
         if self.workers > 0:
             # spawn: no fork of a process holding arrow threads. An executor (not a Pool) so a
             # worker that dies raises BrokenProcessPool instead of hanging the run.
@@ -239,7 +253,7 @@ class _OrderedTokenizer:
         try:
             return tokenize()
         except UnicodeEncodeError:
-            error = _unencodable_text_error(batch, self.files)
+            error = _unencodable_text_error(batch, self.files, self.text_key)
             if error is None:
                 raise
             raise error from None
@@ -310,7 +324,7 @@ def run_preprocess(config: PreprocessConfig) -> PreprocessSummary:
         prefix = shard_prefix(config.output_prefix, shard_index) if sharded else final_prefix
         return indexed_io.IndexedDatasetWriter(prefix, dtype)
 
-    reader_config = ReaderConfig(text_key=config.text_key, text_unit=config.text_unit, hf_reader=config.hf_reader)
+    reader_config = ReaderConfig(text_key=config.text_key, text_unit=config.text_unit, hf_reader=config.hf_reader, defer_json=True)
     documents = iter_documents(files, reader_config, start_file, start_row)
     engine = _OrderedTokenizer(config, dtype_name, eod_id, files)
     bar = _progress_bar(config, sum(f.size for f in files), sum(f.size for f in files[:start_file]))
@@ -318,7 +332,7 @@ def run_preprocess(config: PreprocessConfig) -> PreprocessSummary:
     shard_stats = {"empty_documents": 0, "skipped_documents": 0}
     run_docs = run_tokens = 0
     try:
-        for batch, (flat, lengths, read_bytes) in engine.map(_batches(documents, config)):
+        for batch, (flat, lengths, kinds, read_bytes) in engine.map(_batches(documents, config)):
             offsets = np.concatenate(([0], np.cumsum(lengths)))
             first = 0
             while first < len(batch):
@@ -330,11 +344,8 @@ def run_preprocess(config: PreprocessConfig) -> PreprocessSummary:
                         last = first + int(filled[0]) + 1  # the document that fills the shard
                 kept = lengths[first:last] > 0
                 writer.add_documents(flat[offsets[first]:offsets[last]], lengths[first:last][kept])
-                for document in batch[first:last]:
-                    if document.text is None:
-                        shard_stats["skipped_documents"] += 1
-                    elif document.text == "":
-                        shard_stats["empty_documents"] += 1
+                shard_stats["skipped_documents"] += int((kinds[first:last] == NULL).sum())
+                shard_stats["empty_documents"] += int((kinds[first:last] == EMPTY).sum())
                 if sharded and writer.tokens >= config.shard_size:
                     end = batch[last - 1]
                     outputs.append(writer.prefix)

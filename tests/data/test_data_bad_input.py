@@ -28,11 +28,13 @@ def _no_output(tmp_path) -> bool:
     return not out.exists() or not any(out.iterdir())
 
 
-def test_missing_text_key_names_file_and_line(tmp_path, small_tokenizer):
+@pytest.mark.parametrize("workers", [0, 1])
+def test_missing_text_key_names_file_and_line(tmp_path, small_tokenizer, workers):
+    """jsonl lines are parsed in the worker processes: their errors still name file and line."""
     source = tmp_path / "in.jsonl"
-    source.write_text('{"text": "fine"}\n{"body": "no text field"}\n', encoding="utf-8")
-    with pytest.raises(DataInputError, match=r"in\.jsonl: line 2: no field 'text' \(fields: body\)"):
-        _run(tmp_path, small_tokenizer, [source])
+    source.write_text('{"text": "fine"}\n\n{"body": "no text field"}\n', encoding="utf-8")
+    with pytest.raises(DataInputError, match=r"in\.jsonl: line 3: no field 'text' \(fields: body\)"):
+        _run(tmp_path, small_tokenizer, [source], workers=workers)
     assert _no_output(tmp_path)
 
 
