@@ -1,8 +1,9 @@
 """Streaming, sharded, resumable preprocessing of raw text into megatron-core indexed datasets.
 
-Pipeline: the main process reads documents one file at a time (HF datasets, streaming), groups
-them into batches and hands them to worker processes that tokenize and append EOD; results come
-back in order and are written straight to the current shard. At most `2 * workers + 2` batches
+Pipeline: the main process reads documents one file at a time (HF datasets, streaming; plain
+.jsonl lines are passed on unparsed), groups them into batches and hands them to worker processes
+that parse, tokenize and append EOD; results come back in order and are written straight to the
+current shard. At most `2 * workers + 2` batches
 are in flight, so memory is bounded by the batch size, not by the input (unlike a pool `imap`,
 which reads its whole input ahead).
 
