@@ -28,16 +28,6 @@ def _no_output(tmp_path) -> bool:
     return not out.exists() or not any(out.iterdir())
 
 
-@pytest.mark.parametrize("workers", [0, 1])
-def test_missing_text_key_names_file_and_line(tmp_path, small_tokenizer, workers):
-    """jsonl lines are parsed in the worker processes: their errors still name file and line."""
-    source = tmp_path / "in.jsonl"
-    source.write_text('{"text": "fine"}\n\n{"body": "no text field"}\n', encoding="utf-8")
-    with pytest.raises(DataInputError, match=r"in\.jsonl: line 3: no field 'text' \(fields: body\)"):
-        _run(tmp_path, small_tokenizer, [source], workers=workers)
-    assert _no_output(tmp_path)
-
-
 def test_invalid_utf8_names_file_and_line(tmp_path, small_tokenizer):
     source = tmp_path / "in.jsonl"
     source.write_bytes(b'{"text": "ok"}\n{"text": "ok too"}\n{"text": "bad \xff byte"}\n')
@@ -50,12 +40,22 @@ def test_invalid_utf8_names_file_and_line(tmp_path, small_tokenizer):
         _run(tmp_path, small_tokenizer, [text], text_unit="line")
 
 
+# jsonl lines are parsed in the worker processes: their errors still name file and line. A lone
+# surrogate (`\ud800`) is valid UTF-8 and valid JSON, but not encodable text.
+BAD_JSONL_RECORDS = {
+    "missing text key": ('{"text": "fine"}\n\n{"body": "no text field"}\n', r"line 3: no field 'text' \(fields: body\)"),
+    "lone surrogate": ('{"text": "fine"}\n{"text": "bad \\ud800 here"}\n',
+                       r"line 2: text is not valid Unicode \(surrogates not allowed"),
+}
+
+
 @pytest.mark.parametrize("workers", [0, 1])
-def test_lone_surrogate_names_file_and_line(tmp_path, small_tokenizer, workers):
-    """Valid UTF-8 and valid JSON, but `\\ud800` decodes to a lone surrogate: not encodable text."""
+@pytest.mark.parametrize("case", sorted(BAD_JSONL_RECORDS))
+def test_bad_jsonl_record_names_file_and_line(tmp_path, small_tokenizer, case, workers):
+    content, message = BAD_JSONL_RECORDS[case]
     source = tmp_path / "in.jsonl"
-    source.write_text('{"text": "fine"}\n{"text": "bad \\ud800 here"}\n', encoding="utf-8")
-    with pytest.raises(DataInputError, match=r"in\.jsonl: line 2: text is not valid Unicode \(surrogates not allowed"):
+    source.write_text(content, encoding="utf-8")
+    with pytest.raises(DataInputError, match=r"in\.jsonl: " + message):
         _run(tmp_path, small_tokenizer, [source], workers=workers)
     assert _no_output(tmp_path)
 
