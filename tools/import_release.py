@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from megatron_iiet.cli import fail  # noqa: E402
 from megatron_iiet.hf.release_import import ReleaseImportError, import_release  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,8 +59,7 @@ def main(argv=None):
             max_shard_size=args.max_shard_size,
         )
     except ReleaseImportError as err:
-        print(f"import_release: error: {err}", file=sys.stderr)
-        return 2
+        fail(err)
     print(f"wrote {out}")
     return 0
 

@@ -30,19 +30,15 @@ from typing import Callable, Optional
 
 import torch
 
-LATEST = "latest"
-META = "meta.json"
+from .checks import (LATEST, META, ConversionError, check_expected_architecture,
+                     check_shards_present, find_checkpoint, read_checkpoint_meta,
+                     refuse_nonfinite)
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# dist_checkpointing's own marker file: tells a megatron checkpoint from any other folder.
-DIST_CKPT_MARKER = "metadata.json"
 HF_TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
                       "special_tokens_map.json", "added_tokens.json")
 
 Progress = Callable[[str], None]
-
-
-class ConversionError(ValueError):
-    """Bad input for a conversion (named in the message); nothing has been written."""
 
 
 def _quiet(_: str) -> None:
@@ -50,68 +46,8 @@ def _quiet(_: str) -> None:
 
 
 # ==============================================================================================
-# Reading a megatron checkpoint directory (plain files: no megatron import needed)
+# Rebuilding the model of a megatron checkpoint (its files are checked in checks.py)
 # ==============================================================================================
-def find_checkpoint(path) -> Path:
-    """The iter_* directory of a checkpoint root (via `latest`) or the iter_* directory itself."""
-    p = Path(path)
-    if not p.exists():
-        raise ConversionError(f"{p}: does not exist")
-    if not p.is_dir():
-        raise ConversionError(f"{p}: not a directory (expected a megatron checkpoint directory)")
-    if (p / META).is_file():
-        return p
-    pointer = p / LATEST
-    if pointer.is_file():
-        target = p / pointer.read_text().strip()
-        if not (target / META).is_file():
-            raise ConversionError(f"{pointer}: points to {target}, which is not a complete checkpoint")
-        return target
-    raise ConversionError(
-        f"{p}: not a megatron checkpoint (no {META}, no {LATEST} pointer); pass a checkpoint root "
-        f"or one of its iter_* directories")
-
-
-def read_checkpoint_meta(ckpt: Path) -> dict:
-    try:
-        meta = json.loads((ckpt / META).read_text())
-    except json.JSONDecodeError as err:
-        raise ConversionError(f"{ckpt / META}: not valid JSON ({err})") from err
-    missing = [k for k in ("config", "architecture") if k not in meta]
-    if missing:
-        raise ConversionError(f"{ckpt / META}: not written by this project's trainer "
-                              f"(no {', '.join(missing)})")
-    return meta
-
-
-def check_shards_present(ckpt: Path) -> None:
-    """Every file the dist-checkpoint metadata names must exist (a copy may have lost some)."""
-    if not (ckpt / DIST_CKPT_MARKER).is_file() or not (ckpt / ".metadata").is_file():
-        raise ConversionError(f"{ckpt}: no dist_checkpointing files ({DIST_CKPT_MARKER}, "
-                              ".metadata): the model tensors are missing")
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        metadata = FileSystemReader(str(ckpt)).read_metadata()
-    except Exception as err:  # a truncated or foreign .metadata
-        raise ConversionError(f"{ckpt / '.metadata'}: unreadable ({err})") from err
-    files = sorted({info.relative_path for info in metadata.storage_data.values()})
-    missing = [f for f in files if not (ckpt / f).is_file()]
-    if missing:
-        raise ConversionError(f"{ckpt}: missing checkpoint shards: {', '.join(missing)} "
-                              f"(of {len(files)})")
-
-
-def check_expected_architecture(meta: dict, expected: Optional[str], where: Path) -> None:
-    if expected is None:
-        return
-    sig = meta["architecture"]
-    actual = sig.get("architecture")
-    if expected != actual:
-        detail = f" ({sig['formulation']} form)" if sig.get("formulation") else ""
-        raise ConversionError(f"{where}: holds a {actual}{detail} model, expected {expected}")
-
-
 def train_config_from_dict(tree: dict):
     """The TrainConfig saved in meta.json (unknown keys are refused: another trainer version)."""
     from megatron_iiet.training.config import TrainConfig
@@ -123,6 +59,8 @@ def train_config_from_dict(tree: dict):
             raise ConversionError(f"meta.json config: unknown section {name!r}")
         cls = hints[name]
         if dataclasses.is_dataclass(cls):
+            if not isinstance(value, dict):
+                raise ConversionError(f"meta.json config.{name}: not an object")
             known = {f.name for f in dataclasses.fields(cls)}
             unknown = sorted(set(value) - known)
             if unknown:
@@ -476,8 +414,10 @@ def _check_destination(dst: Path, force: bool) -> None:
 def export_to_hf(src, dst, dtype: str = "fp32", trim_vocab: bool = False,
                  max_shard_size: str = "2GB", force: bool = False,
                  expect_architecture: Optional[str] = None, tokenizer: Optional[str] = None,
-                 with_tokenizer: bool = True, progress: Progress = _quiet) -> ExportSummary:
-    """Write the HF folder `dst` for the megatron checkpoint `src` (root or iter_* dir)."""
+                 with_tokenizer: bool = True, allow_nonfinite: bool = False,
+                 progress: Progress = _quiet) -> ExportSummary:
+    """Write the HF folder `dst` for the megatron checkpoint `src` (root or iter_* dir).
+    NaN/Inf weights (or weights `dtype` cannot hold) are refused unless `allow_nonfinite`."""
     from megatron_iiet.hf.release_import import assemble_model, check_tensors, write_atomically
 
     start = time.perf_counter()
@@ -494,6 +434,7 @@ def export_to_hf(src, dst, dtype: str = "fp32", trim_vocab: bool = False,
         raise ConversionError("--trim-vocab needs the tokenizer (its vocabulary size)")
     progress(f"reading {ckpt} (layout {meta.get('layout')}, engine {meta.get('engine')})")
     model_cfg, meg = load_megatron_checkpoint(ckpt, meta)
+    refuse_nonfinite(meg, ckpt, allow_nonfinite, cast_to=DTYPES[dtype])
     progress(f"loaded {len(meg)} tensors into one TP=1/PP=1 {model_cfg.architecture} model")
     hf = megatron_to_hf_tensors(meg, model_cfg)
     del meg
@@ -557,7 +498,10 @@ def read_hf_folder(src: Path, iterations=None):
             fields = {k: v for k, v in raw.items() if k != "auto_map"}
             if iterations is not None:
                 fields["iterations"] = iterations
-            config = IIETConfig.from_dict(fields)
+            try:
+                config = IIETConfig.from_dict(fields)
+            except (TypeError, ValueError) as err:  # a field of the wrong type or value
+                raise ConversionError(f"{src / 'config.json'}: {err}") from err
         else:
             config = rel.build_config(raw, rel.detect_architecture(tensors), iterations)
         tensors = rel.check_tensors(tensors, config)
@@ -636,9 +580,10 @@ def write_rank_shard(train_config: dict, vocab_size: int, state_file: str, out_d
 
 def import_from_hf(src, dst, tp: int = 1, pp: int = 1, precision: str = "fp32",
                    iterations=None, force: bool = False,
-                   expect_architecture: Optional[str] = None,
+                   expect_architecture: Optional[str] = None, allow_nonfinite: bool = False,
                    progress: Progress = _quiet) -> ImportSummary:
-    """Write a model-only megatron checkpoint root `dst` (latest + iter_0000000) for `src`."""
+    """Write a model-only megatron checkpoint root `dst` (latest + iter_0000000) for `src`.
+    NaN/Inf weights (or weights `precision` cannot hold) are refused unless `allow_nonfinite`."""
     from megatron_iiet.hf.release_import import write_atomically
     from megatron_iiet.training.trainer import padded_vocab_size  # cheap: no megatron import
 
@@ -649,6 +594,8 @@ def import_from_hf(src, dst, tp: int = 1, pp: int = 1, precision: str = "fp32",
     if tp < 1 or pp < 1:
         raise ConversionError(f"layout: TP and PP must be >= 1, got TP={tp} PP={pp}")
     hf_config, hf = read_hf_folder(src, iterations)
+    # The mapping only moves values (and pads with zeros): checking the HF tensors covers it.
+    refuse_nonfinite(hf, src, allow_nonfinite, cast_to=DTYPES[precision])
     if expect_architecture is not None and hf_config.architecture != expect_architecture:
         raise ConversionError(f"{src}: holds a {hf_config.architecture} model, expected "
                               f"{expect_architecture}")

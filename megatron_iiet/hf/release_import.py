@@ -15,7 +15,12 @@ import os
 import shutil
 from pathlib import Path
 
+import pickle
+import zipfile
+
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file as load_safetensors
 
 from .configuration_iiet import IIETConfig
 from .modeling_iiet import IIETForCausalLM
@@ -38,6 +43,9 @@ _OPTIONAL_KEYS = {
 }
 # Buffers some LLaMA checkpoints carry; our RoPE tables are recomputed from rope_theta.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# What the safetensors and torch.load readers raise on a truncated, garbled or foreign file.
+_CORRUPT_FILE_ERRORS = (SafetensorError, pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError,
+                        EOFError, ValueError)
 # Files copied unchanged so the imported folder keeps its tokenizer.
 _TOKENIZER_FILES = (
     "tokenizer.model",
@@ -51,16 +59,28 @@ _TOKENIZER_FILES = (
 # ----------------------------------------------------------------------------------------------
 # Reading the release folder
 # ----------------------------------------------------------------------------------------------
+def read_json(path: Path):
+    """The JSON in `path`; a truncated, binary or unreadable file is refused by name."""
+    try:
+        return json.loads(path.read_bytes())  # bytes: binary data is a decode error
+    except OSError as err:
+        raise ReleaseImportError(f"{path}: unreadable ({err.strerror or err})") from err
+    except UnicodeDecodeError as err:
+        raise ReleaseImportError(f"{path} is not valid JSON: binary data ({err.reason} at byte "
+                                 f"{err.start})") from err
+    except json.JSONDecodeError as err:
+        raise ReleaseImportError(f"{path} is not valid JSON: {err}") from err
+
+
 def read_release_config(src: Path) -> dict:
     path = src / "config.json"
     if not src.is_dir():
         raise ReleaseImportError(f"{src} is not a directory")
     if not path.is_file():
         raise ReleaseImportError(f"{src} is not a model folder: no config.json")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ReleaseImportError(f"{path} is not valid JSON: {err}") from err
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise ReleaseImportError(f"{path} is not a LlamaConfig: a JSON {type(config).__name__}")
     missing = [k for k in _REQUIRED_KEYS if k not in config]
     if missing:
         raise ReleaseImportError(f"{path} is not a LlamaConfig: missing {', '.join(missing)}")
@@ -82,9 +102,13 @@ def find_weight_files(src: Path) -> list[Path]:
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         index_path = src / index_name
         if index_path.is_file():
-            weight_map = json.loads(index_path.read_text()).get("weight_map")
-            if not weight_map:
+            index = read_json(index_path)
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not weight_map or not isinstance(weight_map, dict):
                 raise ReleaseImportError(f"{index_path} has no weight_map")
+            if not all(isinstance(name, str) and name for name in weight_map.values()):
+                raise ReleaseImportError(f"{index_path}: its weight_map holds a shard that is "
+                                         "not a file name")
             shards = sorted(set(weight_map.values()))
             missing = [name for name in shards if not (src / name).is_file()]
             if missing:
@@ -98,15 +122,31 @@ def find_weight_files(src: Path) -> list[Path]:
     )
 
 
+def read_weight_file(path: Path) -> dict[str, torch.Tensor]:
+    """The state dict in one safetensors / pytorch_model.bin file; a truncated, garbled or
+    foreign file is refused by name (the readers' own errors are tracebacks without one)."""
+    is_safetensors = path.suffix == ".safetensors"
+    kind = "safetensors" if is_safetensors else "PyTorch weights"
+    try:
+        if is_safetensors:
+            part = load_safetensors(str(path))
+        else:
+            part = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError as err:
+        raise ReleaseImportError(f"{path}: unreadable ({err.strerror or err})") from err
+    except _CORRUPT_FILE_ERRORS as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise ReleaseImportError(f"{path}: not a valid {kind} file ({reason})") from err
+    if not isinstance(part, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in part.items()):
+        raise ReleaseImportError(f"{path}: not a valid {kind} file (no name -> tensor state dict)")
+    return part
+
+
 def load_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for path in files:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            part = load_file(str(path))
-        else:
-            part = torch.load(path, map_location="cpu", weights_only=True)
+        part = read_weight_file(path)
         duplicated = sorted(set(part) & set(tensors))
         if duplicated:
             raise ReleaseImportError(f"tensor {duplicated[0]} appears in more than one shard ({path.name})")
@@ -242,5 +282,7 @@ __all__ = [
     "find_weight_files",
     "import_release",
     "load_tensors",
+    "read_json",
     "read_release_config",
+    "read_weight_file",
 ]

@@ -4,6 +4,7 @@ their HF exports (converted in one spawned process). Few processes, because each
 megatron's ~8 s import."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -73,6 +74,28 @@ def run_cli(*args, timeout=300, env=None):
     return subprocess.run([sys.executable, str(REPO / "tools" / "convert_checkpoint.py"),
                            *map(str, args)], cwd=REPO, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def assert_refused(proc, *named) -> str:
+    """The CLI's answer to bad input: exit 2 and a single stderr line `error: ...` that names
+    each of `named` (a file, a tensor); returns that line."""
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    for text in named:
+        assert str(text) in lines[0], lines[0]
+    return lines[0]
+
+
+def assert_nothing_written(dst: Path) -> None:
+    """No output, and no temporary folder left next to where it would have gone."""
+    assert not dst.exists()
+    assert [p.name for p in dst.parent.iterdir() if p.name.startswith(f".{dst.name}.")] == []
+
+
+def copy_checkpoint(checkpoints, name: str, tmp_path: Path) -> Path:
+    """A private copy of one of the `checkpoints` roots, to damage."""
+    return Path(shutil.copytree(checkpoints[0] / name, tmp_path / name))
 
 
 def hf_state(folder) -> dict[str, torch.Tensor]:

@@ -6,14 +6,9 @@ import shutil
 import pytest
 
 from megatron_iiet.hf.convert import ConversionError, export_to_hf, find_checkpoint, import_from_hf
-from tests.convert.conftest import run_cli
+from tests.convert.conftest import assert_refused, copy_checkpoint, run_cli
 
 pytestmark = pytest.mark.distributed  # uses the spawned checkpoint fixtures
-
-
-def _copy_checkpoint(checkpoints, name, tmp_path):
-    root = checkpoints[0]
-    return shutil.copytree(root / name, tmp_path / name)
 
 
 def test_not_a_checkpoint(tmp_path):
@@ -30,7 +25,7 @@ def test_not_a_checkpoint(tmp_path):
 
 
 def test_broken_meta(checkpoints, tmp_path):
-    root = _copy_checkpoint(checkpoints, "vanilla-tp1", tmp_path)
+    root = copy_checkpoint(checkpoints, "vanilla-tp1", tmp_path)
     meta = root / "iter_0000007" / "meta.json"
     meta.write_text("{not json")
     with pytest.raises(ConversionError, match="not valid JSON"):
@@ -49,7 +44,7 @@ def test_architecture_mismatch(checkpoints, tmp_path):
 
 
 def test_missing_shard(checkpoints, tmp_path):
-    root = _copy_checkpoint(checkpoints, "ode_rk2-tp2", tmp_path)
+    root = copy_checkpoint(checkpoints, "ode_rk2-tp2", tmp_path)
     shard = sorted((root / "iter_0000007").glob("*.distcp"))[-1]
     shard.unlink()
     with pytest.raises(ConversionError, match=f"missing checkpoint shards: {shard.name}"):
@@ -84,11 +79,9 @@ def test_bad_hf_folders(converted, tmp_path):
 
 
 def test_cli_exits_2_with_one_line(converted, tmp_path):
-    proc = run_cli("megatron-to-hf", tmp_path, tmp_path / "out")
-    assert proc.returncode == 2
-    assert proc.stderr.count("\n") == 1 and "not a megatron checkpoint" in proc.stderr
-    proc = run_cli("hf-to-megatron", converted / "hf" / "pcformer_rk4-pp2", tmp_path / "out",
-                   "--tp", "2", "--pp", "3")
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
-    assert "PP=3 does not divide the 4 layers" in proc.stderr
+    assert_refused(run_cli("megatron-to-hf", tmp_path, tmp_path / "out"),
+                   tmp_path, "not a megatron checkpoint")
+    assert_refused(run_cli("hf-to-megatron", converted / "hf" / "pcformer_rk4-pp2",
+                           tmp_path / "out", "--tp", "2", "--pp", "3"),
+                   "PP=3 does not divide the 4 layers")
     assert not (tmp_path / "out").exists()

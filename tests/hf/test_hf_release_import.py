@@ -136,7 +136,9 @@ def test_cli_runs_and_respects_force(tmp_path):
     out = tmp_path / "out"
     assert cli.main([str(src), str(out), "--iterations", "1"]) == 0
     assert json.loads((out / "config.json").read_text())["iterations"] == [1, 1, 1, 1]
-    assert cli.main([str(src), str(out), "--iterations", "2"]) == 2  # exists, no --force
+    with pytest.raises(SystemExit) as refused:  # exists, no --force
+        cli.main([str(src), str(out), "--iterations", "2"])
+    assert refused.value.code == 2
     assert json.loads((out / "config.json").read_text())["iterations"] == [1, 1, 1, 1]
     assert cli.main([str(src), str(out), "--iterations", "3,2,1,0", "--force"]) == 0
     assert json.loads((out / "config.json").read_text())["iterations"] == [3, 2, 1, 0]
