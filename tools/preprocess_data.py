@@ -4,6 +4,8 @@ with several worker processes, optional shards, resume and a streaming merge.
 
 Inputs: jsonl/json, txt, parquet, csv, arrow files, globs, directories, or builtin:python-stdlib.
 Re-running with the same arguments resumes: finished shards are kept, a half-written one is redone.
+One run per output prefix at a time (lock PREFIX.lock); an input edited since the last run is refused
+unless --overwrite.
 
 Example:
   python tools/preprocess_data.py --input data/*.jsonl --tokenizer out/tok/tokenizer.model \\
@@ -41,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-segment-cache", action="store_true",
                         help="encode every document with sentencepiece directly (same output, slower)")
     parser.add_argument("--hf-reader", action="store_true", help="read .jsonl/.txt through HF datasets too (same rows, slower start)")
-    parser.add_argument("--overwrite", action="store_true", help="replace output of an earlier run with other arguments")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace output of an earlier run with other arguments or inputs edited since")
     parser.add_argument("--no-progress", action="store_true")
     return parser
 

@@ -1,6 +1,8 @@
 """Validation of `weight prefix weight prefix ...` blends before megatron-core's
-BlendedMegatronDatasetBuilder reads them: every dataset exists and is intact, all were made with
-one tokenizer (fingerprint in each `<prefix>.meta.json`), and every weight is positive."""
+BlendedMegatronDatasetBuilder reads them: every dataset exists and is intact (structure, and the
+sha256 recorded at preprocessing, checked once per file version: checksum_cache), all were made
+with one tokenizer (fingerprint in each `<prefix>.meta.json`), no token id lies outside the
+vocabulary, and every weight is positive."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import math
 from typing import Sequence
 
 from megatron_iiet.data import indexed_io
+from megatron_iiet.data.checksum_cache import verify_checksums_once
 
 
 def _parse(spec: str | Sequence) -> list[str]:
@@ -16,10 +19,23 @@ def _parse(spec: str | Sequence) -> list[str]:
     return [str(item) for item in spec]
 
 
-def validate_blend(spec: str | Sequence, expected_fingerprint: str | None = None) -> list[tuple[float, str]]:
+def _check_token_ids(prefix: str, token_ids: indexed_io.TokenRange | None, vocab_size: int) -> None:
+    if token_ids is None or token_ids.high is None:
+        return  # no range known (made before it was recorded, checksums not verified), or no tokens
+    if token_ids.high >= vocab_size or token_ids.low < 0:
+        bad = token_ids.high if token_ids.high >= vocab_size else token_ids.low
+        raise ValueError(f"blend dataset {prefix} holds token id {bad}, outside the tokenizer's vocabulary "
+                         f"of {vocab_size} (ids 0..{vocab_size - 1}); preprocess it with this tokenizer")
+
+
+def validate_blend(spec: str | Sequence, expected_fingerprint: str | None = None, verify_checksums: bool = True,
+                   vocab_size: int | None = None) -> list[tuple[float, str]]:
     """Parse and check a blend; returns [(weight, prefix), ...].
 
     `spec` is a string or list: `"0.3 data/a 0.7 data/b"`, or a single prefix (weight 1).
+    `verify_checksums` compares every file with the sha256 its meta.json records (a full read the
+    first time, then remembered per file version); `vocab_size` refuses token ids >= it, found in
+    that read, or taken from the meta.json when checksums are not verified.
     Raises ValueError with a message naming the offending entry.
     """
     items = _parse(spec)
@@ -48,7 +64,8 @@ def validate_blend(spec: str | Sequence, expected_fingerprint: str | None = None
         info = indexed_io.verify_dataset(prefix)
         if info.documents == 0:
             raise ValueError(f"blend dataset {prefix} holds no documents")
-        fingerprint = indexed_io.read_meta(prefix)["tokenizer"]["fingerprint"]
+        meta = indexed_io.read_meta(prefix)
+        fingerprint = meta["tokenizer"]["fingerprint"]
         if fingerprint_source is None:
             fingerprint_source = (fingerprint, prefix)
         elif fingerprint != fingerprint_source[0]:
@@ -56,5 +73,8 @@ def validate_blend(spec: str | Sequence, expected_fingerprint: str | None = None
                 f"blend dataset {prefix} was made with tokenizer {fingerprint}, but "
                 f"{fingerprint_source[1]} uses {fingerprint_source[0]}"
             )
+        token_ids = verify_checksums_once(prefix) if verify_checksums else indexed_io.TokenRange.from_meta(meta)
+        if vocab_size is not None:
+            _check_token_ids(prefix, token_ids, vocab_size)
         result.append((weight, prefix))
     return result

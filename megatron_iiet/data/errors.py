@@ -15,3 +15,7 @@ class CorruptDatasetError(ValueError):
 
 class TokenizerMismatchError(ValueError):
     """Data made with one tokenizer is mixed with, or would be overwritten by, another's."""
+
+
+class OutputWriteError(ValueError):
+    """The output location cannot be written: permission denied, read-only, or full."""

@@ -11,7 +11,9 @@ and every section is produced chunk by chunk. Nothing is imported from megatron,
 CLI processes skip megatron's ~8 s import.
 
 Atomicity: .bin and .idx are written under temporary names and renamed when complete; the
-meta.json is written last, so its presence marks a finished dataset.
+meta.json is written last, so its presence marks a finished dataset. The meta also records the
+sha256 of .bin and .idx and the smallest and largest token id, so a reader can check the files
+and the vocabulary without decoding anything.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_iiet.data.atomic import commit_temp, remove_if_exists, temp_path_for, write_json_atomic
+from megatron_iiet.data.atomic import (commit_temp, remove_if_exists, remove_with_leftovers, temp_path_for,
+                                       write_json_atomic, writing_to)
 from megatron_iiet.data.errors import CorruptDatasetError, TokenizerMismatchError
+from megatron_iiet.locks import exclusive_output
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
@@ -51,19 +55,27 @@ def meta_path(prefix: str | os.PathLike) -> Path:
     return Path(str(prefix) + ".meta.json")
 
 
+def verified_path(prefix: str | os.PathLike) -> Path:
+    """Where a successful checksum verification is remembered (megatron_iiet.data.checksum_cache)."""
+    return Path(str(prefix) + ".verified.json")
+
+
 def dataset_files(prefix: str | os.PathLike) -> list[Path]:
     return [bin_path(prefix), idx_path(prefix), meta_path(prefix)]
 
 
 def remove_dataset(prefix: str | os.PathLike) -> None:
-    """Delete a dataset and any temporary leftovers of an interrupted write."""
-    for path in dataset_files(prefix):
-        remove_if_exists(path, temp_path_for(path))
-    remove_if_exists(_lengths_spill_path(prefix))
+    """Delete a dataset and the temporary leftovers of interrupted writes of it (by any run: the
+    caller holds the prefix's lock, so no live run of ours is writing them)."""
+    remove_with_leftovers(*dataset_files(prefix), verified_path(prefix), _lengths_spill_name(prefix))
+
+
+def _lengths_spill_name(prefix: str | os.PathLike) -> Path:
+    return Path(str(prefix) + ".lengths")
 
 
 def _lengths_spill_path(prefix: str | os.PathLike) -> Path:
-    return temp_path_for(str(prefix) + ".lengths")
+    return temp_path_for(_lengths_spill_name(prefix))
 
 
 def _write_index(handle, dtype_name: str, lengths_file: Path, sequence_count: int) -> None:
@@ -104,6 +116,7 @@ class IndexedDatasetWriter:
         self._hash = hashlib.sha256()
         self.documents = 0
         self.tokens = 0
+        self.token_ids = TokenRange()
 
     def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Append documents given as one flat token array and the length of each document."""
@@ -113,6 +126,7 @@ class IndexedDatasetWriter:
         self._lengths.write(np.asarray(lengths, dtype=np.int32).tobytes())
         self.documents += len(lengths)
         self.tokens += int(tokens.size)
+        self.token_ids = self.token_ids.including(tokens)
 
     def finalize(self, meta: dict) -> dict:
         """Write .idx, rename .bin/.idx into place, then write meta.json (the completion mark)."""
@@ -133,6 +147,7 @@ class IndexedDatasetWriter:
             "bin_bytes": self.tokens * np.dtype(self.dtype_name).itemsize,
             "bin_sha256": self._hash.hexdigest(),
             "idx_sha256": idx_hash,
+            **self.token_ids.as_meta(),
             **meta,
         }
         write_json_atomic(meta_path(self.prefix), full_meta)
@@ -141,7 +156,10 @@ class IndexedDatasetWriter:
     def abort(self) -> None:
         for handle in (self._bin, self._lengths):
             if not handle.closed:
-                handle.close()
+                try:
+                    handle.close()
+                except OSError:
+                    pass  # on a full disk the final flush fails too; the file goes just below anyway
         remove_dataset(self.prefix)
 
 
@@ -151,6 +169,37 @@ def _file_sha256(path: str | os.PathLike) -> str:
         while chunk := handle.read(_COPY_BYTES):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class TokenRange:
+    """Smallest and largest token id of a dataset (None when it holds no tokens)."""
+
+    low: int | None = None
+    high: int | None = None
+
+    def including(self, tokens: np.ndarray) -> "TokenRange":
+        if not tokens.size:
+            return self
+        low, high = int(tokens.min()), int(tokens.max())
+        if self.low is None:
+            return TokenRange(low, high)
+        return TokenRange(min(self.low, low), max(self.high, high))
+
+    def joined(self, other: "TokenRange") -> "TokenRange":
+        if other.low is None:
+            return self
+        return self.including(np.array([other.low, other.high]))
+
+    def as_meta(self) -> dict:
+        return {"min_token_id": self.low, "max_token_id": self.high}
+
+    @staticmethod
+    def from_meta(meta: dict) -> "TokenRange | None":
+        """The range recorded at preprocessing; None for datasets made before it was recorded."""
+        if "max_token_id" not in meta:
+            return None
+        return TokenRange(meta.get("min_token_id"), meta["max_token_id"])
 
 
 @dataclass(frozen=True)
@@ -240,10 +289,26 @@ def verify_dataset(prefix: str | os.PathLike, check_checksums: bool = False) -> 
         if meta.get("tokens") != tokens or meta.get("documents") != doc_entries - 1 or meta.get("dtype") != dtype_name:
             raise CorruptDatasetError(f"{meta_path(prefix)}: disagrees with {idx} (tokens, documents or dtype)")
         if check_checksums:
-            for path, key in ((binf, "bin_sha256"), (idx, "idx_sha256")):
-                if key in meta and _file_sha256(path) != meta[key]:
-                    raise CorruptDatasetError(f"{path}: checksum differs from {meta_path(prefix).name}; the file is corrupted")
+            check_checksums_and_token_ids(prefix)
     return IndexInfo(prefix, dtype_name, sequences, doc_entries, tokens)
+
+
+def check_checksums_and_token_ids(prefix: str | os.PathLike) -> TokenRange:
+    """Read .bin and .idx in full once: compare their sha256 with the meta.json's, and find the
+    token id range in the same pass. Raises CorruptDatasetError naming the differing file."""
+    prefix = str(prefix)
+    meta = read_meta(prefix)
+    dtype = np.dtype(meta["dtype"])
+    digest, token_ids = hashlib.sha256(), TokenRange()
+    with open(bin_path(prefix), "rb") as handle:
+        while chunk := handle.read(_COPY_BYTES):  # a multiple of every itemsize
+            digest.update(chunk)
+            token_ids = token_ids.including(np.frombuffer(chunk, dtype=dtype))
+    actual = {"bin_sha256": digest.hexdigest(), "idx_sha256": _file_sha256(idx_path(prefix))}
+    for path, key in ((bin_path(prefix), "bin_sha256"), (idx_path(prefix), "idx_sha256")):
+        if key in meta and actual[key] != meta[key]:
+            raise CorruptDatasetError(f"{path}: checksum differs from {meta_path(prefix).name}; the file is corrupted")
+    return token_ids
 
 
 def merge_datasets(prefixes: list[str], out_prefix: str | os.PathLike, extra_meta: dict | None = None) -> dict:
@@ -255,6 +320,12 @@ def merge_datasets(prefixes: list[str], out_prefix: str | os.PathLike, extra_met
     if not prefixes:
         raise ValueError("nothing to merge")
     out_prefix = str(out_prefix)
+    with writing_to(Path(out_prefix).parent), exclusive_output(out_prefix, "another run writing this dataset",
+                                                               "wait for it to finish or choose another output prefix"):
+        return _merge_datasets(prefixes, out_prefix, extra_meta)
+
+
+def _merge_datasets(prefixes: list[str], out_prefix: str, extra_meta: dict | None) -> dict:
     infos = [verify_dataset(p) for p in prefixes]
     metas = [read_meta(p) for p in prefixes]
     dtypes = {info.dtype_name for info in infos}
@@ -309,12 +380,24 @@ def merge_datasets(prefixes: list[str], out_prefix: str | os.PathLike, extra_met
         "bin_bytes": sum(i.tokens for i in infos) * itemsize,
         "bin_sha256": bin_hash.hexdigest(),
         "idx_sha256": idx_hash,
+        **_merged_token_range(metas),
         "tokenizer": metas[0]["tokenizer"],
         "merged_from": [os.path.basename(p) for p in prefixes],
         **(extra_meta or {}),
     }
     write_json_atomic(meta_path(out_prefix), meta)
     return meta
+
+
+def _merged_token_range(metas: list[dict]) -> dict:
+    """The parts' recorded token ranges joined; nothing when a part has none recorded."""
+    ranges = [TokenRange.from_meta(meta) for meta in metas]
+    if any(r is None for r in ranges):
+        return {}
+    merged = TokenRange()
+    for part in ranges:
+        merged = merged.joined(part)
+    return merged.as_meta()
 
 
 def _copy_section(out, path: Path, offset: int, count: int, dtype, shift: int) -> None:

@@ -116,8 +116,10 @@ def resolve_inputs(specs: list[str]) -> list[InputFile]:
 
 
 def inputs_signature(files: list[InputFile]) -> list[list]:
-    """What identifies the input of a run (a resume refuses a changed input)."""
-    return [[os.path.abspath(f.path), f.size] for f in files]
+    """What identifies the input of a run: path, size and mtime of each file (a resume or re-run
+    refuses an input edited since, even one edited in place to the same size). The mtime stands in
+    for the content: hashing every input again on each re-run would cost a full read of it."""
+    return [[os.path.abspath(f.path), f.size, os.stat(f.path).st_mtime_ns] for f in files]
 
 
 def record_word(builder: str) -> str:

@@ -38,7 +38,8 @@ def prepare_builtin_corpus(
     root = Path(out_dir)
     tokenizer_dir = root / "tokenizer"
     model_path = tokenizer_dir / MODEL_FILE
-    training = TokenizerTrainingConfig(inputs=(corpus,), output_dir=str(tokenizer_dir), vocab_size=vocab_size)
+    # overwrite: a model left over from other settings is this function's own product, retrained on purpose
+    training = TokenizerTrainingConfig(inputs=(corpus,), output_dir=str(tokenizer_dir), vocab_size=vocab_size, overwrite=True)
     info_path = tokenizer_dir / INFO_FILE
     info = json.loads(info_path.read_text()) if info_path.exists() else None
     if info is None or info.get("config", {}).get("inputs") != [corpus] or info.get("vocab_size") != vocab_size or not model_path.exists():

@@ -11,12 +11,22 @@ Shards (`--shard-size` tokens) close after the document that fills them, so shar
 depend only on the input and tokenizer. Each finished shard records where in the input it ended;
 a re-run with the same arguments keeps the finished shards, discards a half-written one and
 continues from there, giving the same bytes as an uninterrupted run.
+
+Faults: a run holds an exclusive lock on its output prefix (`PREFIX.lock`) from before it looks at
+any output until it ends, so a second run to the same prefix refuses at once and touches nothing.
+The run's arguments, including each input's size and mtime, are recorded with every output; an
+input edited since is therefore noticed, never silently mixed with the old output. Workers die
+with the main process, even when it is killed with SIGKILL.
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
+import signal
+import sys
+import threading
 import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
@@ -27,10 +37,12 @@ from typing import Iterator
 import numpy as np
 
 from megatron_iiet.data import indexed_io
+from megatron_iiet.data.atomic import temp_leftovers, writing_to
 from megatron_iiet.data.bpe_cache import DEFAULT_MAX_ENTRIES
 from megatron_iiet.data.errors import DataInputError, TokenizerMismatchError
 from megatron_iiet.data.inputs import (TEXT_UNITS, Document, JsonLine, ReaderConfig, inputs_signature, iter_documents,
                                        parse_json_line, record_word, resolve_inputs)
+from megatron_iiet.locks import exclusive_output
 from megatron_iiet.data.tokenizer import Tokenizer, check_dtype_fits, smallest_token_dtype
 
 
@@ -83,8 +95,35 @@ _WORKER_TEXT_KEY = "text"
 WRITTEN, EMPTY, NULL = 0, 1, 2
 
 
-def _init_worker(tokenizer_path: str, dtype_name: str, eod_id: int | None, segment_cache_entries: int, text_key: str) -> None:
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_PARENT_POLL_SECONDS = 1.0
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(_PARENT_POLL_SECONDS)
+    os._exit(1)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Make this worker die with the main process. A main process killed by SIGKILL runs no
+    cleanup, so nothing else would stop its workers: they would tokenize on as orphans."""
+    if sys.platform.startswith("linux"):
+        # The kernel sends the signal when the thread that started us exits; the pool starts its
+        # workers from the submitting thread, the main one, which lives as long as the process.
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
+            if os.getppid() != parent_pid:  # it died before the prctl: no signal will come
+                os._exit(1)
+            return
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="watch-parent", daemon=True).start()
+
+
+def _init_worker(tokenizer_path: str, dtype_name: str, eod_id: int | None, segment_cache_entries: int, text_key: str,
+                 parent_pid: int | None = None) -> None:
     global _WORKER_TOKENIZER, _WORKER_DTYPE, _WORKER_EOD, _WORKER_SEGMENT_CACHE, _WORKER_TEXT_KEY
+    if parent_pid is not None:
+        _exit_with_parent(parent_pid)
     _WORKER_TEXT_KEY = text_key
     _WORKER_TOKENIZER = Tokenizer.from_path(tokenizer_path)
     _WORKER_DTYPE, _WORKER_EOD, _WORKER_SEGMENT_CACHE = dtype_name, eod_id, segment_cache_entries > 0
@@ -129,6 +168,36 @@ def _run_signature(config: PreprocessConfig, files, tokenizer: Tokenizer, dtype_
     }
 
 
+def _same_run(recorded: dict | None, signature: dict) -> bool:
+    if recorded == signature:
+        return True
+    # Records written before input mtimes were kept hold [path, size] per input: compare those.
+    inputs = recorded.get("inputs") if isinstance(recorded, dict) else None
+    if inputs and all(isinstance(entry, list) and len(entry) == 2 for entry in inputs):
+        return recorded == {**signature, "inputs": [entry[:2] for entry in signature["inputs"]]}
+    return False
+
+
+def _describe_difference(recorded: dict, signature: dict) -> str:
+    changed = sorted(k for k in signature if recorded.get(k) != signature[k])
+    if "inputs" in changed:
+        before = {entry[0]: entry[1:] for entry in recorded.get("inputs") or []}
+        edited = [path for path, *now in signature["inputs"] if path in before and before[path] != now]
+        if edited:
+            detail = f"inputs: {edited[0]} was modified since (size or modification time)"
+            changed[changed.index("inputs")] = detail + (f" and {len(edited) - 1} more" if len(edited) > 1 else "")
+    return ", ".join(changed) or "format"
+
+
+def _check_output_prefix(output_prefix: str) -> None:
+    """A prefix that names a directory would write hidden files `DIR/.bin`, `DIR/.idx`."""
+    path = Path(output_prefix)
+    if output_prefix.endswith(("/", os.sep)) or path.is_dir() or path.name in ("", ".", ".."):
+        example = Path(output_prefix) / "corpus"
+        raise DataInputError(f"--output-prefix {output_prefix}: names a directory, not a file name prefix; "
+                             f"give e.g. {example} (writes {example}.bin, .idx, .meta.json)")
+
+
 def _check_output_directory(config: PreprocessConfig, tokenizer: Tokenizer, signature: dict) -> None:
     """Refuse a directory holding another tokenizer's data, or this prefix from another run."""
     prefix = Path(config.output_prefix)
@@ -147,11 +216,10 @@ def _check_output_directory(config: PreprocessConfig, tokenizer: Tokenizer, sign
                 f"({fingerprint} vs {tokenizer.fingerprint}); use another output directory"
             )
         belongs_here = meta_file.name.startswith(prefix.name + ".") or meta_file.name.startswith(prefix.name + "_shard")
-        if belongs_here and meta.get("run") != signature and not config.overwrite:
-            changed = sorted(k for k in signature if (meta.get("run") or {}).get(k) != signature[k])
+        if belongs_here and not _same_run(meta.get("run"), signature) and not config.overwrite:
             raise DataInputError(
                 f"{meta_file}: {prefix} holds output of a run with different arguments (differs in: "
-                f"{', '.join(changed) or 'format'}); choose another --output-prefix or pass --overwrite"
+                f"{_describe_difference(meta.get('run') or {}, signature)}); choose another --output-prefix or pass --overwrite"
             )
 
 
@@ -175,13 +243,13 @@ def _finished_shards(config: PreprocessConfig, signature: dict) -> list[dict]:
             meta = indexed_io.read_meta(prefix)
         except ValueError:
             break
-        if meta.get("run") != signature:
+        if not _same_run(meta.get("run"), signature):
             break
         finished.append(meta)
         index += 1
     # Whatever follows (a shard cut off by a kill, or stale later shards) is redone.
     stale_index = index
-    while any(Path(p).exists() or indexed_io.temp_path_for(p).exists() for p in indexed_io.dataset_files(shard_prefix(config.output_prefix, stale_index))):
+    while any(p.exists() or temp_leftovers(p) for p in indexed_io.dataset_files(shard_prefix(config.output_prefix, stale_index))):
         indexed_io.remove_dataset(shard_prefix(config.output_prefix, stale_index))
         stale_index += 1
     indexed_io.remove_dataset(shard_prefix(config.output_prefix, index))
@@ -229,7 +297,8 @@ class _OrderedTokenizer:
             # spawn: no fork of a process holding arrow threads. An executor (not a Pool) so a
             # worker that dies raises BrokenProcessPool instead of hanging the run.
             context = multiprocessing.get_context("spawn")
-            self.pool = ProcessPoolExecutor(self.workers, mp_context=context, initializer=_init_worker, initargs=init_args)
+            self.pool = ProcessPoolExecutor(self.workers, mp_context=context, initializer=_init_worker,
+                                            initargs=(*init_args, os.getpid()))
         else:
             self.pool = None
             _init_worker(*init_args)
@@ -274,6 +343,7 @@ def _progress_bar(config: PreprocessConfig, total_bytes: int, initial: int):
 def run_preprocess(config: PreprocessConfig) -> PreprocessSummary:
     """Preprocess `config.inputs` into indexed dataset(s); see the module docstring."""
     started = time.perf_counter()
+    _check_output_prefix(config.output_prefix)
     if config.text_unit not in TEXT_UNITS:
         raise DataInputError(f"--text-unit {config.text_unit!r}: choose one of {', '.join(TEXT_UNITS)}")
     if config.segment_cache_entries < 0:
@@ -291,6 +361,15 @@ def run_preprocess(config: PreprocessConfig) -> PreprocessSummary:
     if config.append_eod and eod_id is None:
         raise DataInputError(f"{config.tokenizer}: tokenizer has no EOS/EOD token; pass --no-eod or use another tokenizer")
     signature = _run_signature(config, files, tokenizer, dtype_name)
+    with writing_to(Path(config.output_prefix).parent, reading=[f.path for f in files]), exclusive_output(
+            config.output_prefix, "another preprocessing run",
+            "wait for it to finish or choose another --output-prefix"):
+        return _run_locked(config, started, tokenizer, files, dtype, eod_id, signature)
+
+
+def _run_locked(config: PreprocessConfig, started: float, tokenizer: Tokenizer, files, dtype, eod_id: int | None,
+                signature: dict) -> PreprocessSummary:
+    dtype_name = np.dtype(dtype).name
     _check_output_directory(config, tokenizer, signature)
     summary = PreprocessSummary()
     final_prefix = config.output_prefix
@@ -299,7 +378,7 @@ def run_preprocess(config: PreprocessConfig) -> PreprocessSummary:
         _remove_prefix_outputs(config.output_prefix)
     if (not sharded or config.merge) and indexed_io.meta_path(final_prefix).exists():
         meta = indexed_io.read_meta(final_prefix)
-        if meta.get("run") == signature:
+        if _same_run(meta.get("run"), signature):
             indexed_io.verify_dataset(final_prefix)
             summary.already_complete = True
             summary.documents, summary.tokens = meta["documents"], meta["tokens"]

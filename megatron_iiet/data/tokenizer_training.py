@@ -15,10 +15,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
-from megatron_iiet.data.atomic import write_bytes_atomic, write_json_atomic
+from megatron_iiet.data.atomic import write_bytes_atomic, write_json_atomic, writing_to
 from megatron_iiet.data.errors import DataInputError
 from megatron_iiet.data.hf_export import export_hf_tokenizer
 from megatron_iiet.data.inputs import ReaderConfig, iter_documents, resolve_inputs
+from megatron_iiet.locks import exclusive_output
 
 MODEL_FILE = "tokenizer.model"
 INFO_FILE = "tokenizer_info.json"
@@ -42,6 +43,7 @@ class TokenizerTrainingConfig:
     text_key: str = "text"
     text_unit: str = "document"
     threads: int = os.cpu_count() or 1
+    overwrite: bool = False  # replace an existing tokenizer.model (data made with it no longer matches)
 
 
 def _chunks(text: str, limit: int) -> Iterator[str]:
@@ -74,16 +76,30 @@ def _sentences(config: TokenizerTrainingConfig) -> Iterator[str]:
 
 def train_tokenizer(config: TokenizerTrainingConfig) -> dict:
     """Train; write tokenizer.model, the HF tokenizer files and tokenizer_info.json into
-    `output_dir`. Returns the info dict (paths, fingerprint, settings)."""
+    `output_dir`. Returns the info dict (paths, fingerprint, settings).
+
+    An existing tokenizer.model is kept (refused) unless `overwrite`; a second training into the
+    same directory at the same time refuses (lock on tokenizer.model); an unwritable or full
+    directory gives one OutputWriteError, found before the training work where it can be."""
+    if config.model_type not in ("bpe", "unigram"):
+        raise DataInputError(f"--model-type {config.model_type!r}: choose bpe or unigram")
+    inputs = resolve_inputs(list(config.inputs))  # fail on bad paths before any training work
+    out_dir = Path(config.output_dir)
+    model_path = out_dir / MODEL_FILE
+    with writing_to(out_dir, reading=[f.path for f in inputs]):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with exclusive_output(model_path, "another tokenizer training", "wait for it to finish or choose another --output-dir"):
+            if model_path.exists() and not config.overwrite:
+                raise DataInputError(f"{model_path}: already exists (data preprocessed with it would no longer match); "
+                                     "choose another --output-dir or pass --overwrite")
+            return _train_and_write(config, out_dir, model_path)
+
+
+def _train_and_write(config: TokenizerTrainingConfig, out_dir: Path, model_path: Path) -> dict:
     import sentencepiece
 
     from megatron_iiet.data.tokenizer import Tokenizer
 
-    if config.model_type not in ("bpe", "unigram"):
-        raise DataInputError(f"--model-type {config.model_type!r}: choose bpe or unigram")
-    resolve_inputs(list(config.inputs))  # fail on bad paths before any training work
-    out_dir = Path(config.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     model = io.BytesIO()
     try:
         sentencepiece.SentencePieceTrainer.train(
@@ -109,7 +125,6 @@ def train_tokenizer(config: TokenizerTrainingConfig) -> dict:
         )
     except RuntimeError as error:
         raise DataInputError(f"sentencepiece training failed: {error}") from None
-    model_path = out_dir / MODEL_FILE
     write_bytes_atomic(model_path, model.getvalue())
     export_hf_tokenizer(model_path, out_dir)
     tokenizer = Tokenizer.from_path(model_path)

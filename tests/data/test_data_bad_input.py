@@ -6,21 +6,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from tests.data.helpers import REPO, write_jsonl
+from tests.data.helpers import REPO, preprocess, write_jsonl
 from megatron_iiet.data import indexed_io
 from megatron_iiet.data.blend import validate_blend
 from megatron_iiet.data.errors import CorruptDatasetError, DataInputError, TokenizerMismatchError
-from megatron_iiet.data.preprocess import PreprocessConfig, run_preprocess
 
 
 def _run(tmp_path, tokenizer, inputs, **overrides):
-    options = dict(inputs=tuple(str(i) for i in inputs), tokenizer=str(tokenizer),
-                   output_prefix=str(tmp_path / "out" / "ds"), workers=0, progress=False)
-    options.update(overrides)
-    return run_preprocess(PreprocessConfig(**options))
+    return preprocess(inputs, tokenizer, overrides.pop("output_prefix", tmp_path / "out" / "ds"), **overrides)
 
 
 def _no_output(tmp_path) -> bool:

@@ -12,19 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.data.helpers import REPO, gutenberg_paragraphs, write_jsonl
+from tests.data.helpers import REPO, gutenberg_paragraphs, megatron_documents as _documents, write_jsonl
 from megatron_iiet.data import indexed_io
 from megatron_iiet.data.preprocess import PreprocessConfig, run_preprocess, shard_prefix
 from megatron_iiet.data.tokenizer import Tokenizer
-
-
-def _documents(prefix: str) -> list[np.ndarray]:
-    """Documents as megatron-core's own IndexedDataset reads them."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    dataset = IndexedDataset(prefix)
-    # Copies: the arrays are views of an mmap that closes when `dataset` is collected.
-    return [np.array(dataset[i]) for i in range(len(dataset))]
 
 
 def _bytes(prefix: str) -> tuple[bytes, bytes]:
