@@ -11,6 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_iiet.training.signals import protect_spawned_helper
+
+protect_spawned_helper(__name__)  # megatron's spawned helpers re-import this file
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -31,11 +35,12 @@ def main(argv=None) -> int:
         return 2
 
     from megatron_iiet.distributed import teardown
+    from megatron_iiet.storage import StorageError
     from megatron_iiet.training.trainer import TooManySkippedSteps, train
 
     try:
         summary = train(cfg)
-    except ValueError as e:  # bad input found before training: one line, no traceback
+    except (ValueError, StorageError) as e:  # the operator's to fix: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
     except TooManySkippedSteps as e:

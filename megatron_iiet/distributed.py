@@ -35,6 +35,35 @@ def barrier() -> None:
         dist.barrier()
 
 
+def on_rank0(fn: Callable[[], Any],
+             explain: Callable[[BaseException], BaseException] = lambda err: err) -> Any:
+    """Run ``fn`` on rank 0 alone and hand its result to every rank; when it fails, every rank
+    raises, so none waits forever.
+
+    ``explain(err)`` turns rank 0's exception into the one to raise (an operator's one-line
+    error, or ``err`` itself); the other ranks raise a ValueError with the same text when it is
+    a ValueError (our one-line errors), else a RuntimeError naming rank 0's failure.
+    """
+    outcome: tuple = ("ok", None)
+    error: BaseException | None = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            outcome = ("ok", fn())
+        except Exception as err:  # noqa: BLE001  (re-raised below, on every rank)
+            error = explain(err)
+            outcome = ("error", isinstance(error, ValueError), str(error))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [outcome]
+        dist.broadcast_object_list(box, src=0)
+        outcome = box[0]
+    if error is not None:
+        raise error
+    if outcome[0] == "error":
+        _, one_line, text = outcome
+        raise ValueError(text) if one_line else RuntimeError(f"rank 0 failed: {text}")
+    return outcome[1]
+
+
 def initialize(
     tensor_parallel: int = 1,
     pipeline_parallel: int = 1,

@@ -10,6 +10,11 @@ Layout of a checkpoint root::
         deepspeed/          DeepSpeed engine state (ZeRO partitions), deepspeed engine only
     iter_0000200.partial/   a save in progress (or interrupted): never read, removed on start
 
+`meta.json` is written last inside the directory and lists every file with its size (the
+manifest), so a resume can tell a complete checkpoint from a truncated one
+(`checkpoint_index.py`) and falls back to the newest complete one. Retention never deletes the
+checkpoint just saved, nor any newer one.
+
 Model and optimizer tensors are keyed by global names, so a checkpoint written with one TP/PP
 layout loads into another (reshard). RNG streams belong to a layout: after a reshard they are
 re-seeded deterministically from (seed, step) instead.
@@ -17,8 +22,10 @@ re-seeded deterministically from (seed, step) instead.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import pickle
 import random
 import shutil
 from dataclasses import dataclass
@@ -29,16 +36,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.core import CheckpointingException
 
-from megatron_iiet.distributed import barrier
-
-LATEST = "latest"
-META = "meta.json"
-PARTIAL_SUFFIX = ".partial"
-
-
-class CheckpointError(ValueError):
-    pass
+from megatron_iiet.distributed import barrier, on_rank0
+from megatron_iiet.storage import storage_error
+from megatron_iiet.training.checkpoint_index import (  # noqa: F401  (re-exported)
+    LATEST, MANIFEST_KEY, META, PARTIAL_SUFFIX, CheckpointError, checkpoint_name, list_checkpoints,
+    manifest, newest_complete, read_meta, resolve_checkpoint, step_of)
 
 
 def architecture_signature(model_config) -> dict:
@@ -117,29 +121,60 @@ class TrainingState:
 
 
 class CheckpointManager:
-    def __init__(self, root: str, keep_last: int = 3, async_save: bool = False):
+    """Saves into one checkpoint root, which this run owns (the run lock is held).
+
+    ``replaces``: complete checkpoints of an earlier run that this one was told to overwrite
+    (``checkpoint.overwrite``); they are deleted once this run's first checkpoint is committed,
+    so until then the directory still holds a resumable run.
+    """
+
+    def __init__(self, root: str, keep_last: int = 3, async_save: bool = False,
+                 replaces: tuple[Path, ...] = (), log=print):
         self.root = Path(root)
         self.keep_last = keep_last
         self.async_save = async_save
+        self.replaces = list(replaces)
+        self.log = log
         self._async_queue = None
         if _rank() == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in self.root.glob(f"iter_*{PARTIAL_SUFFIX}"):
-                shutil.rmtree(stale, ignore_errors=True)  # an interrupted save
+                shutil.rmtree(stale, ignore_errors=True)  # an interrupted save of this directory
         barrier()
 
     # ---- saving ----------------------------------------------------------------------------
     def save(self, engine, state: TrainingState, meta_extra: dict) -> Path:
+        """Write checkpoint ``state.step``; it is committed (meta, rename, `latest`, retention)
+        at once, or with ``async_save`` when the background write has finished."""
         rng = rng_state()  # before anything below could draw from a generator
-        name = f"iter_{state.step:07d}"
+        name = checkpoint_name(state.step)
         final = self.root / name
         partial = self.root / (name + PARTIAL_SUFFIX)
         self.finalize_pending(blocking=True)
+        try:
+            meta, request = self._write(engine, state, meta_extra, rng, partial)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # torch.distributed.checkpoint's CheckpointException is one
+            raise self._failed(err, partial) from err
+        commit = functools.partial(self._commit, meta, partial, final)
+        if request is None:
+            commit()
+        else:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            request.add_finalize_fn(commit)
+            if self._async_queue is None:
+                self._async_queue = AsyncCallsQueue()
+            self._async_queue.schedule_async_request(request)
+            self._pending = partial
+        return final
+
+    def _write(self, engine, state: TrainingState, meta_extra: dict, rng: dict, partial: Path):
         if _rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         barrier()
-
         model = engine.module
         with engine.full_parameters():
             sharded = {"model": model.sharded_state_dict()}
@@ -147,11 +182,11 @@ class CheckpointManager:
                 sharded["optimizer"] = engine.optimizer.sharded_state_dict(sharded["model"])
             request = dist_checkpointing.save(sharded, str(partial),
                                               async_sharded_save=self.async_save)
-        (partial / "rng").mkdir(exist_ok=True)
-        torch.save(rng, partial / "rng" / f"rank{_rank()}.pt")
-        if engine.name == "deepspeed":
-            engine.model.save_checkpoint(str(partial / "deepspeed"), tag="state",
-                                         save_latest=False)
+            (partial / "rng").mkdir(exist_ok=True)
+            torch.save(rng, partial / "rng" / f"rank{_rank()}.pt")
+            if engine.name == "deepspeed":
+                engine.model.save_checkpoint(str(partial / "deepspeed"), tag="state",
+                                             save_latest=False)
         meta = {
             **meta_extra,
             "step": state.step,
@@ -162,36 +197,61 @@ class CheckpointManager:
             "layout": layout(),
             "engine": engine.name,
         }
+        return meta, request
 
-        def commit():
-            _fault_injection_pause(partial)
-            barrier()
-            if _rank() == 0:
-                _write_text_atomic(partial / META, json.dumps(meta, indent=2, default=str))
-                superseded = final.with_name(final.name + ".superseded")
-                if final.exists():  # the same step saved again (e.g. after an earlier resume)
-                    os.replace(final, superseded)
-                os.replace(partial, final)
-                _fsync_dir(self.root)
-                _write_text_atomic(self.root / LATEST, name)
-                shutil.rmtree(superseded, ignore_errors=True)
-                self._prune()
-            barrier()
+    def _commit(self, meta: dict, partial: Path, final: Path) -> None:
+        barrier()  # every rank has written its files
+        on_rank0(lambda: self._publish(meta, partial, final),
+                 lambda err: self._failed(err, partial))
+        self.log(f"saved checkpoint {final}")
 
-        if request is None:
-            commit()
-        else:
-            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+    def _publish(self, meta: dict, partial: Path, final: Path) -> None:
+        meta = {**meta, MANIFEST_KEY: manifest(partial)}
+        _write_text_atomic(partial / META, json.dumps(meta, indent=2, default=str))
+        superseded = final.with_name(final.name + ".superseded")
+        if final.exists():  # the same step saved again (after a resume from an older one)
+            os.replace(final, superseded)
+        os.replace(partial, final)
+        _fsync_dir(self.root)
+        _write_text_atomic(self.root / LATEST, final.name)
+        shutil.rmtree(superseded, ignore_errors=True)
+        self._retire(final)
 
-            request.add_finalize_fn(commit)
-            if self._async_queue is None:
-                self._async_queue = AsyncCallsQueue()
-            self._async_queue.schedule_async_request(request)
-        return final
+    def _retire(self, saved: Path) -> None:
+        """Retention: of the checkpoints older than the one just saved, keep the newest
+        ``keep_last - 1`` (0 keeps all). Newer ones are never touched, except those this run
+        was told to overwrite, which go at its first commit."""
+        overwritten = [p for p in self.replaces if p != saved]
+        self.replaces = []
+        older = [p for p in list_checkpoints(self.root) if step_of(p) < step_of(saved)]
+        pruned = older[: max(0, len(older) - (self.keep_last - 1))] if self.keep_last > 0 else []
+        for path in pruned:
+            shutil.rmtree(path)
+        for path in overwritten:
+            if path.exists():
+                shutil.rmtree(path)
+                self.log(f"removed {path.name} of the overwritten run (checkpoint.overwrite)")
+
+    def _failed(self, err: BaseException, partial: Path) -> BaseException:
+        """A storage fault becomes one line saying what survived; anything else is a bug."""
+        fault = storage_error(err, self.root)
+        if fault is None:
+            return err
+        shutil.rmtree(partial, ignore_errors=True)  # never committed: nothing saved is lost
+        kept = newest_complete(self.root, warn=lambda _: None)
+        survivor = f"{kept.name} and `latest` are intact" if kept else "no earlier checkpoint"
+        return CheckpointError(
+            f"{fault} while saving {partial.name[: -len(PARTIAL_SUFFIX)]}; {survivor}")
 
     def finalize_pending(self, blocking: bool = False) -> None:
-        if self._async_queue is not None:
+        if self._async_queue is None:
+            return
+        try:
             self._async_queue.maybe_finalize_async_calls(blocking=blocking)
+        except (CheckpointError, KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # as in save()
+            raise self._failed(err, self._pending) from err
 
     def close(self) -> None:
         self.finalize_pending(blocking=True)
@@ -199,53 +259,16 @@ class CheckpointManager:
             self._async_queue.close()
             self._async_queue = None
 
-    def _prune(self) -> None:
-        done = sorted(p for p in self.root.glob("iter_???????") if p.is_dir())
-        for old in done[: max(0, len(done) - self.keep_last)]:
-            shutil.rmtree(old, ignore_errors=True)
-
     # ---- loading ---------------------------------------------------------------------------
     def latest(self) -> Optional[Path]:
-        pointer = self.root / LATEST
-        if not pointer.is_file():
-            return None
-        path = self.root / pointer.read_text().strip()
-        if not (path / META).is_file():
-            raise CheckpointError(f"{pointer}: points to {path}, which is not a complete checkpoint")
-        return path
-
-
-def _fault_injection_pause(partial: Path) -> None:
-    """Tests of interrupted saves set IIET_TEST_PAUSE_IN_SAVE=<marker file>: the first save
-    announces itself there and waits, so a signal can arrive while the checkpoint is half
-    written."""
-    marker = os.environ.get("IIET_TEST_PAUSE_IN_SAVE")
-    if marker and _rank() == 0 and not Path(marker).exists():
-        import time
-
-        Path(marker).write_text(str(partial))
-        time.sleep(float(os.environ.get("IIET_TEST_PAUSE_SECONDS", "5")))
-
-
-def resolve_checkpoint(path: str) -> Path:
-    """A checkpoint directory from a root (via its `latest`) or from an iter_* path."""
-    p = Path(path)
-    if (p / META).is_file():
-        return p
-    if (p / LATEST).is_file():
-        target = p / (p / LATEST).read_text().strip()
-        if (target / META).is_file():
-            return target
-    raise CheckpointError(f"{path}: not a checkpoint (no {META}, no {LATEST} pointer)")
-
-
-def read_meta(path: Path) -> dict:
-    return json.loads((path / META).read_text())
+        """The newest complete checkpoint (None in an empty root), warning about broken ones."""
+        return newest_complete(self.root, warn=self.log)
 
 
 def check_compatible(meta: dict, model_config, tokenizer_fingerprint: Optional[str],
-                     path: Path) -> None:
-    """Refuse checkpoints of another architecture or tokenizer, naming the difference."""
+                     path: Path, engine: str, model_only: bool = False) -> None:
+    """Refuse checkpoints of another architecture, tokenizer or engine, naming the difference
+    and, where there is one, the way to continue."""
     mine = architecture_signature(model_config)
     theirs = meta.get("architecture", {})
     diffs = [f"{k}: checkpoint {theirs.get(k)!r} vs config {v!r}"
@@ -257,40 +280,53 @@ def check_compatible(meta: dict, model_config, tokenizer_fingerprint: Optional[s
         raise CheckpointError(
             f"{path}: trained with tokenizer {saved_fp}, but the configured data uses "
             f"{tokenizer_fingerprint}")
+    if model_only or meta.get("model_only"):
+        return
+    saved_engine = meta.get("engine")
+    if saved_engine != engine:
+        raise CheckpointError(
+            f"{path}: written by the {saved_engine} engine, and this run uses "
+            f"parallel.engine={engine}; their optimizer states are not interchangeable. Keep "
+            f"parallel.engine={saved_engine} to resume, or set checkpoint.load_model_only=true "
+            "to start from its weights with a fresh optimizer and schedule (step 0)")
+    if engine == "deepspeed" and meta.get("layout") != layout():
+        raise CheckpointError(
+            f"{path}: DeepSpeed state was saved with layout {meta.get('layout')}; resuming it "
+            f"needs the same layout, and this run has {layout()} (or set "
+            "checkpoint.load_model_only=true for its weights only)")
 
 
-def load(engine, path: Path, seed: int) -> TrainingState:
-    """Restore model, optimizer, scheduler and RNG from ``path`` into ``engine``."""
+def load(engine, path: Path, seed: int, model_only: bool = False) -> TrainingState:
+    """Restore model, optimizer, scheduler and RNG from ``path`` into ``engine`` (checked
+    with ``check_compatible`` first); ``model_only``: the weights alone."""
     meta = read_meta(path)
-    if meta.get("model_only"):
+    if model_only or meta.get("model_only"):
         return _load_model_only(engine, path, seed)
-    same_layout = meta["layout"] == layout() and meta.get("engine") == engine.name
-    if engine.name == "deepspeed":
-        if not same_layout:
-            raise CheckpointError(
-                f"{path}: DeepSpeed state was saved with layout {meta['layout']} "
-                f"({meta.get('engine')} engine); resuming it needs the same layout {layout()} "
-                "and engine")
-        # module and ZeRO-partitioned optimizer state, in DeepSpeed's own format
-        engine.model.load_checkpoint(str(path / "deepspeed"), tag="state",
-                                     load_module_strict=True, load_optimizer_states=True,
-                                     load_lr_scheduler_states=False)
-    else:
-        if meta.get("engine") != "megatron":
-            raise CheckpointError(
-                f"{path}: written by the {meta.get('engine')} engine; its optimizer state "
-                "cannot continue under parallel.engine=megatron")
-        model_sd = engine.module.sharded_state_dict()
-        loaded = dist_checkpointing.load(
-            {"model": model_sd,
-             "optimizer": engine.optimizer.sharded_state_dict(model_sd, is_loading=True)},
-            str(path))
-        engine.module.load_state_dict(loaded["model"])
-        engine.optimizer.load_state_dict(loaded["optimizer"])
-    engine.scheduler.load_state_dict(meta["scheduler"])
-    rng_file = path / "rng" / f"rank{_rank()}.pt"
-    if same_layout and rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=False))
+    try:
+        if engine.name == "deepspeed":
+            # module and ZeRO-partitioned optimizer state, in DeepSpeed's own format
+            engine.model.load_checkpoint(str(path / "deepspeed"), tag="state",
+                                         load_module_strict=True, load_optimizer_states=True,
+                                         load_lr_scheduler_states=False)
+        else:
+            model_sd = engine.module.sharded_state_dict()
+            loaded = dist_checkpointing.load(
+                {"model": model_sd,
+                 "optimizer": engine.optimizer.sharded_state_dict(model_sd, is_loading=True)},
+                str(path))
+            engine.module.load_state_dict(loaded["model"])
+            engine.optimizer.load_state_dict(loaded["optimizer"])
+        engine.scheduler.load_state_dict(meta["scheduler"])
+        rng_file = path / "rng" / f"rank{_rank()}.pt"
+        rng = torch.load(rng_file, weights_only=False) if (
+            meta["layout"] == layout() and rng_file.is_file()) else None
+    except (OSError, EOFError, RuntimeError, pickle.UnpicklingError, CheckpointingException) as err:
+        # The manifest check passed, so the bytes changed in place: unreadable, not a bug here.
+        raise CheckpointError(
+            f"{path}: cannot be read ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
+            "set checkpoint.load to an earlier iter_* directory") from err
+    if rng is not None:
+        set_rng_state(rng)
     else:
         from megatron_iiet.distributed import seed_everything
 

@@ -52,6 +52,9 @@ class DataSection:
     seq_length: int = 128
     num_workers: int = 2
     cache_dir: Optional[str] = None
+    verify_checksums: bool = True
+    """Check each dataset against the sha256 recorded at preprocessing before training (a full
+    read once per file version, remembered in PREFIX.verified.json); false skips that read."""
     builtin_dir: str = "outputs/builtin_data"
     builtin_vocab_size: int = 4096
     builtin_corpus_size: str = "4MB"
@@ -103,8 +106,15 @@ class CheckpointSection:
     save_interval: int = 0
     """Save every N steps (0: only at the end)."""
     keep_last: int = 3
+    """Checkpoints kept (the newest; 0 keeps all). Never the one just saved, nor a newer one."""
     load: Optional[str] = "auto"
     """auto: resume from `dir` if it holds a checkpoint; a path; or null for a fresh start."""
+    load_model_only: bool = False
+    """Take only the weights of `load` (fresh optimizer and schedule, step 0), e.g. to switch
+    engines."""
+    overwrite: bool = False
+    """Allow a start below the newest checkpoint in `dir` (a fresh start, a rollback): those
+    newer checkpoints are deleted once this run commits its first checkpoint."""
     async_save: bool = False
 
 
@@ -275,6 +285,9 @@ def validate(cfg: TrainConfig, world_size: Optional[int] = None) -> None:
         )
     if cfg.schedule.decay_style not in ("cosine", "linear", "constant", "WSD"):
         raise ValueError(f"schedule.decay_style: unknown {cfg.schedule.decay_style!r}")
+    if cfg.checkpoint.keep_last < 0:
+        raise ValueError(f"checkpoint.keep_last: must be >= 0 (0 keeps all), got "
+                         f"{cfg.checkpoint.keep_last}")
     if cfg.schedule.warmup_steps >= cfg.schedule.train_steps:
         raise ValueError("schedule.warmup_steps: must be shorter than schedule.train_steps")
     if world_size is not None:

@@ -19,8 +19,9 @@ from torch.utils.data import DataLoader
 
 from megatron_iiet.data.blend import validate_blend
 from megatron_iiet.data.tokenizer import Tokenizer
-from megatron_iiet.distributed import barrier
+from megatron_iiet.distributed import barrier, on_rank0
 from megatron_iiet.training.config import TrainConfig
+from megatron_iiet.training.signals import ignore_preemption_signals
 
 
 @dataclass
@@ -33,8 +34,9 @@ class DataSources:
 def resolve_sources(cfg: TrainConfig, rank: int = 0) -> DataSources:
     """The tokenizer and blends a config names; the built-in corpus when it names none.
 
-    Everything is checked here, before any model is built: paths, intact indexes, and that every
-    dataset was made with the configured tokenizer (fingerprints).
+    Everything is checked here, before any model is built: paths, intact indexes, that every
+    dataset was made with the configured tokenizer (fingerprints), its recorded checksums (unless
+    data.verify_checksums is off) and that no token id lies outside the tokenizer's vocabulary.
     """
     data = cfg.data
     if data.train is None:
@@ -57,12 +59,18 @@ def resolve_sources(cfg: TrainConfig, rank: int = 0) -> DataSources:
     if not Path(tokenizer_path).exists():
         raise ValueError(f"data.tokenizer: {tokenizer_path} does not exist")
     tokenizer = Tokenizer.from_path(tokenizer_path)
-    try:
-        train = validate_blend(train_spec, expected_fingerprint=tokenizer.fingerprint)
-        valid = (validate_blend(data.valid, expected_fingerprint=tokenizer.fingerprint)
-                 if data.valid is not None else None)
-    except ValueError as e:
-        raise ValueError(f"data: {e}") from e
+    checks = dict(expected_fingerprint=tokenizer.fingerprint, verify_checksums=data.verify_checksums,
+                  vocab_size=tokenizer.vocab_size)
+
+    def check_blends():
+        try:
+            return (validate_blend(train_spec, **checks),
+                    validate_blend(data.valid, **checks) if data.valid is not None else None)
+        except ValueError as e:
+            raise ValueError(f"data: {e}") from e
+
+    # Rank 0 reads the files once for all (a checksum is a full read); every rank gets its verdict.
+    train, valid = on_rank0(check_blends)
     return DataSources(tokenizer, train, valid)
 
 
@@ -179,6 +187,8 @@ def micro_batch_loader(dataset, consumed_samples: int, micro_batch_size: int, dp
                                 micro_batch_size, dp_rank, dp_size)
     # Its own generator: a loader with workers otherwise draws its base seed from the global
     # generator, shifting dropout masks whenever a loader is (re)created, e.g. after a resume.
+    # Workers leave preemption signals to the trainer, whatever the start method.
     loader = DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                        persistent_workers=False, generator=torch.Generator().manual_seed(0))
+                        persistent_workers=False, generator=torch.Generator().manual_seed(0),
+                        worker_init_fn=ignore_preemption_signals if num_workers else None)
     return (_to_model_batch(b) for b in loader)

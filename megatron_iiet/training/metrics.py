@@ -5,6 +5,7 @@ Only rank 0 writes; every rank calls the same methods.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import resource
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+
+from megatron_iiet.storage import storage_error
 
 
 def measured_peak_flops(dtype: torch.dtype = torch.float32, n: int = 2048) -> float:
@@ -52,10 +55,11 @@ class MetricsLogger:
         self._jsonl = None
         if not enabled:
             return
-        root = Path(log_dir)
-        root.mkdir(parents=True, exist_ok=True)
+        root = self.root = Path(log_dir)
         self.jsonl_path = root / "metrics.jsonl"
-        self._jsonl = open(self.jsonl_path, "a", buffering=1)
+        with self._storage_faults():
+            root.mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(self.jsonl_path, "a", buffering=1)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -66,8 +70,20 @@ class MetricsLogger:
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step",
                              dynamic_ncols=True, desc="train")
 
+    @contextlib.contextmanager
+    def _storage_faults(self):
+        """A full or read-only logging disk is the operator's to fix: one line naming it."""
+        try:
+            yield
+        except OSError as err:
+            fault = storage_error(err, self.root)
+            if fault is None:
+                raise
+            raise fault from err
+
     def _write(self, record: dict) -> None:
-        self._jsonl.write(json.dumps(record) + "\n")
+        with self._storage_faults():
+            self._jsonl.write(json.dumps(record) + "\n")
         if self._tb is not None:
             step = record["step"]
             for k, v in record.items():

@@ -3,38 +3,101 @@
 The handler only records the request; the training loop polls it once per step and all ranks
 agree (a MAX all-reduce), so every rank saves the same step even if only some got the signal.
 A signal that arrives during a save does not interrupt it.
+
+The signal rarely reaches the trainer alone: torchrun forwards it to each rank's whole process
+group, and SLURM (``scancel --signal``, preemption) signals every process of the step. So the
+trainer's helper processes ignore these signals and end when the trainer ends them, after the
+save: forked ones (data-loader workers, megatron's checkpoint writers) through a fork hook active
+while the handler is installed; spawned ones (the queue manager of megatron's writers) because
+they re-import the entry script as ``__mp_main__``, which calls ``protect_spawned_helper``.
+
+Under torchrun each rank also watches its launcher: when the agent is gone (``kill -9``), the
+ranks, which live in their own process sessions, would otherwise train on to the end unseen;
+they treat it like a preemption signal instead.
 """
 
 from __future__ import annotations
 
+import os
 import signal
-
-import torch
-import torch.distributed as dist
+from typing import Optional
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_active = False  # a PreemptionHandler is installed in this process
+_fork_hook_registered = False
+
+
+def ignore_preemption_signals(*_args) -> None:
+    """In a helper process: leave preemption signals to the trainer (also a worker_init_fn)."""
+    for sig in PREEMPTION_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _after_fork_in_child() -> None:
+    if _active:
+        ignore_preemption_signals()
+
+
+def protect_spawned_helper(module_name: str) -> None:
+    """Called at the top of an entry script with its ``__name__``: a process that multiprocessing
+    spawns re-imports the script as ``__mp_main__`` (and a signal mask does not survive that
+    start), so this is where a spawned helper learns to ignore preemption signals. Cheap: no
+    torch import."""
+    if module_name == "__mp_main__":
+        ignore_preemption_signals()
+
+
+def launcher_pid() -> Optional[int]:
+    """The torchrun agent that started this rank (its parent), or None outside torchrun.
+
+    Only torchrun's agent is watched: a plain `python` or `nohup` launch may outlive its shell
+    on purpose, and under srun the step's processes are ended by SLURM itself.
+    """
+    return os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
 
 
 class PreemptionHandler:
     def __init__(self):
         self.received: int = 0
+        self.reason: Optional[str] = None
         self._previous = {}
+        self._launcher = launcher_pid()
 
     def __enter__(self):
+        global _active, _fork_hook_registered
         for sig in PREEMPTION_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._on_signal)
+        if not _fork_hook_registered:
+            os.register_at_fork(after_in_child=_after_fork_in_child)
+            _fork_hook_registered = True
+        _active = True
         return self
 
     def __exit__(self, *exc):
+        global _active
+        _active = False
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
     def _on_signal(self, signum, frame):
         self.received = signum
 
+    def _local_reason(self) -> Optional[str]:
+        if self.received:
+            return f"{signal.Signals(self.received).name} received"
+        if self._launcher is not None and os.getppid() != self._launcher:
+            return f"the launcher (torchrun, pid {self._launcher}) is gone"
+        return None
+
     def stop_requested(self) -> bool:
-        """True on every rank if any rank received a preemption signal."""
-        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32)
+        """True on every rank if any rank was signalled or lost its launcher."""
+        import torch
+        import torch.distributed as dist
+
+        local = self._local_reason()
+        flag = torch.tensor([0 if local is None else 1], dtype=torch.int32)
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and self.reason is None:
+            self.reason = local or "another rank was asked to stop"
         return bool(flag.item())

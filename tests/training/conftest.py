@@ -45,15 +45,16 @@ def base_overrides(data, log_dir, **extra) -> list[str]:
 
 
 def launch(overrides: list[str], nproc: int = 1, env: dict | None = None, wait: bool = True,
-           timeout: float = 600):
-    args = []
+           timeout: float = 600, entry: list[str] | None = None):
+    """Run pretrain_iiet.py (or ``entry``: a script and its first arguments) with ``overrides``."""
+    args = list(entry or [str(REPO / "pretrain_iiet.py")])
     for o in overrides:
         args += ["--set", o]
     if nproc == 1:
-        cmd = [sys.executable, str(REPO / "pretrain_iiet.py"), *args]
+        cmd = [sys.executable, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", str(REPO / "pretrain_iiet.py"), *args]
+               f"--nproc-per-node={nproc}", *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
                 "PYTHONWARNINGS": "ignore", **(env or {})}
     if not wait:

@@ -47,10 +47,10 @@ def test_interrupted_saves_keep_a_valid_latest(tiny_data, tmp_path):
     log = tmp_path / "run"
     marker = tmp_path / "saving"
     settings = {"schedule.train_steps": 6, "checkpoint.save_interval": 2}
-    env = {"IIET_TEST_PAUSE_IN_SAVE": str(marker), "IIET_TEST_PAUSE_SECONDS": "8"}
+    paused = [str(Path(__file__).with_name("pause_in_save.py")), str(marker), "8"]
 
     # SIGKILL while the step-2 checkpoint is half written: nothing valid yet, no `latest`.
-    proc = launch(base_overrides(tiny_data, log, **settings), env=env, wait=False)
+    proc = launch(base_overrides(tiny_data, log, **settings), entry=paused, wait=False)
     _wait_for(marker.exists, proc=proc)
     os.killpg(proc.pid, signal.SIGKILL)  # like a node failure: the job and its helpers die
     proc.communicate(timeout=60)
@@ -60,7 +60,7 @@ def test_interrupted_saves_keep_a_valid_latest(tiny_data, tmp_path):
     # SIGTERM during the step-2 save: the save completes, the job stops cleanly after the next
     # step with its checkpoint, and `latest` points at it.
     marker.unlink()
-    proc = launch(base_overrides(tiny_data, log, **settings), env=env, wait=False)
+    proc = launch(base_overrides(tiny_data, log, **settings), entry=paused, wait=False)
     _wait_for(marker.exists, proc=proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=240)

@@ -1,0 +1,157 @@
+"""What a checkpoint root holds, read from plain files (no megatron import): which `iter_*`
+directories are complete and intact, which one a resume starts from, and why a broken one is
+broken.
+
+A checkpoint is complete when its `meta.json` parses and every file its manifest lists (name and
+size, recorded at commit) is present with that size: a truncated `.distcp`, `common.pt` or RNG
+file, or a missing one, makes it broken. Checkpoints written before manifests existed are judged
+by their `meta.json` alone.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+LATEST = "latest"
+META = "meta.json"
+PARTIAL_SUFFIX = ".partial"
+MANIFEST_KEY = "files"
+_ITER = re.compile(r"iter_(\d{7})")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def checkpoint_name(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def step_of(path: Path) -> Optional[int]:
+    match = _ITER.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Every committed `iter_*` directory (complete or broken), oldest step first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if step_of(p) is not None and p.is_dir()]
+    return sorted(found, key=step_of)
+
+
+def read_meta(path: Path) -> dict:
+    """A checkpoint's meta.json; a missing or unreadable one is a CheckpointError naming it."""
+    meta_file = Path(path) / META
+    try:
+        meta = json.loads(meta_file.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{meta_file}: missing (not a complete checkpoint)") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{meta_file}: not valid JSON ({err})") from None
+    if not isinstance(meta, dict) or "step" not in meta:
+        raise CheckpointError(f"{meta_file}: not a checkpoint's metadata (no 'step')")
+    return meta
+
+
+def manifest(directory: Path) -> dict[str, int]:
+    """{relative path: size} of every file under ``directory`` except meta.json."""
+    directory = Path(directory)
+    return {str(f.relative_to(directory)): f.stat().st_size
+            for f in sorted(directory.rglob("*")) if f.is_file() and f.name != META}
+
+
+def defect(path: Path) -> Optional[str]:
+    """Why the checkpoint at ``path`` cannot be loaded, or None when it is complete."""
+    try:
+        meta = read_meta(path)
+    except CheckpointError as err:
+        return str(err)
+    for name, size in meta.get(MANIFEST_KEY, {}).items():
+        f = Path(path) / name
+        if not f.is_file():
+            return f"{f}: missing"
+        actual = f.stat().st_size
+        if actual != size:
+            return f"{f}: truncated or altered ({actual} bytes, {size} when saved)"
+    return None
+
+
+def read_latest(root: Path) -> tuple[Optional[str], Optional[str]]:
+    """(name in `latest`, problem): the name when the pointer reads as a checkpoint name."""
+    pointer = Path(root) / LATEST
+    if not pointer.exists():
+        return None, f"{pointer}: missing"
+    try:
+        name = pointer.read_bytes().decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None, f"{pointer}: unreadable (not a checkpoint name)"
+    if _ITER.fullmatch(name) is None:
+        return None, f"{pointer}: holds {name[:40]!r}, not a checkpoint name"
+    return name, None
+
+
+def newest_complete(root: Path, warn: Callable[[str], None] = print) -> Optional[Path]:
+    """The complete checkpoint with the highest step, warning about each broken newer one.
+
+    `latest` is written last at every commit, so it normally names exactly this checkpoint; when
+    it is missing, unreadable or names something else, the directory listing decides and the
+    warning says so.
+    """
+    root = Path(root)
+    chosen = None
+    for path in reversed(list_checkpoints(root)):
+        problem = defect(path)
+        if problem is None:
+            chosen = path
+            break
+        warn(f"warning: skipping broken checkpoint {path.name}: {problem}")
+    if chosen is None:
+        return None
+    name, problem = read_latest(root)
+    if problem is not None:
+        warn(f"warning: {problem}; resuming from the newest complete checkpoint {chosen.name}")
+    elif name != chosen.name:
+        warn(f"warning: {root / LATEST} names {name}, but the newest complete checkpoint is "
+             f"{chosen.name}; resuming from {chosen.name}")
+    return chosen
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The complete checkpoint a user named: an `iter_*` directory, or a root (its newest
+    complete checkpoint). Anything else is a CheckpointError naming the file at fault."""
+    p = Path(path)
+    if step_of(p) is not None or (p / META).exists():
+        problem = defect(p)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {p}: {problem}")
+        return p
+    if p.is_dir():
+        found = newest_complete(p)
+        if found is not None:
+            return found
+    raise CheckpointError(f"{path}: not a checkpoint (no {META}, no complete iter_* directory)")
+
+
+@dataclass
+class ResumeCheck:
+    """What a start would overwrite: complete checkpoints newer than the step it starts at."""
+
+    newer: list[Path]
+
+    def message(self, root: Path, start_step: int) -> str:
+        names = ", ".join(p.name for p in self.newer)
+        return (f"checkpoint.dir {root} holds checkpoints of a run past step {start_step}, where "
+                f"this run starts ({names}); resume them (checkpoint.load=auto), choose another "
+                "checkpoint.dir, or set checkpoint.overwrite=true to replace them (deleted once "
+                "this run commits its first checkpoint)")
+
+
+def newer_than(root: Path, step: int) -> ResumeCheck:
+    return ResumeCheck([p for p in list_checkpoints(root) if step_of(p) > step
+                        and defect(p) is None])
