@@ -35,12 +35,12 @@ def main(argv=None) -> int:
         return 2
 
     from megatron_iiet.distributed import teardown
-    from megatron_iiet.storage import StorageError
+    from megatron_iiet.errors import OperatorError
     from megatron_iiet.training.trainer import TooManySkippedSteps, train
 
     try:
         summary = train(cfg)
-    except (ValueError, StorageError) as e:  # the operator's to fix: one line, no traceback
+    except OperatorError as e:  # bad input, a full disk, a busy directory: one line
         print(f"error: {e}", file=sys.stderr)
         return 2
     except TooManySkippedSteps as e:

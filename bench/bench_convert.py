@@ -29,17 +29,17 @@ def write_checkpoint(root: str, preset: str) -> None:
     """Inside the spawned ranks: an IIET model of `preset` saved by CheckpointManager."""
     from megatron.core import parallel_state as ps
 
-    from megatron_iiet.model.gpt import IIETModel
+    from megatron_iiet.model.gpt import IIETGPTModel
     from megatron_iiet.model.sharding import init_layout_independent
     from megatron_iiet.training.checkpointing import CheckpointManager, TrainingState
     from megatron_iiet.training.config import ModelSection, ParallelSection, TrainConfig
     from megatron_iiet.training.engines import MegatronEngine
-    from megatron_iiet.training.trainer import build_model_config
+    from megatron_iiet.training.config import build_model_config
 
     tp = ps.get_tensor_model_parallel_world_size()
     cfg = TrainConfig(model=ModelSection(preset=preset),
                       parallel=ParallelSection(tensor=tp, micro_batch_size=1, global_batch_size=1))
-    model = IIETModel(build_model_config(cfg, 32000))
+    model = IIETGPTModel(build_model_config(cfg, 32000))
     init_layout_independent(model, seed=1)
     engine = MegatronEngine(cfg, model)
     manager = CheckpointManager(root, keep_last=1)

@@ -47,8 +47,8 @@ def measure(overrides: dict, shape: dict, steps: int) -> dict:
     from megatron_iiet.distributed import seed_everything
     from megatron_iiet.model.config import IIETTransformerConfig
     from megatron_iiet.model.flops import passes_per_layer, step_flops
-    from megatron_iiet.model.gpt import IIETModel
-    from megatron_iiet.model.pipeline import forward_backward
+    from megatron_iiet.model.gpt import IIETGPTModel
+    from megatron_iiet.training.step import forward_backward
 
     overrides = dict(overrides)
     if overrides.get("iterations") == "ones":
@@ -56,7 +56,7 @@ def measure(overrides: dict, shape: dict, steps: int) -> dict:
     seq, mb = shape.pop("seq"), shape.pop("micro_batch")
     cfg = IIETTransformerConfig(**shape, **overrides, max_sequence_length=seq)
     seed_everything(0)
-    model = IIETModel(cfg)
+    model = IIETGPTModel(cfg)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (mb, seq + 1), generator=g)
     batch = [{"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(mb, seq)}]

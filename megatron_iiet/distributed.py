@@ -41,9 +41,12 @@ def on_rank0(fn: Callable[[], Any],
     raises, so none waits forever.
 
     ``explain(err)`` turns rank 0's exception into the one to raise (an operator's one-line
-    error, or ``err`` itself); the other ranks raise a ValueError with the same text when it is
-    a ValueError (our one-line errors), else a RuntimeError naming rank 0's failure.
+    error, or ``err`` itself); the other ranks raise ReportedByRank0 with the same text when it
+    is an operator error (or a ValueError: bad input), else a RuntimeError naming rank 0's
+    failure.
     """
+    from megatron_iiet.errors import OperatorError, ReportedByRank0
+
     outcome: tuple = ("ok", None)
     error: BaseException | None = None
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -51,7 +54,7 @@ def on_rank0(fn: Callable[[], Any],
             outcome = ("ok", fn())
         except Exception as err:  # noqa: BLE001  (re-raised below, on every rank)
             error = explain(err)
-            outcome = ("error", isinstance(error, ValueError), str(error))
+            outcome = ("error", isinstance(error, (OperatorError, ValueError)), str(error))
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [outcome]
         dist.broadcast_object_list(box, src=0)
@@ -60,7 +63,7 @@ def on_rank0(fn: Callable[[], Any],
         raise error
     if outcome[0] == "error":
         _, one_line, text = outcome
-        raise ValueError(text) if one_line else RuntimeError(f"rank 0 failed: {text}")
+        raise ReportedByRank0(text) if one_line else RuntimeError(f"rank 0 failed: {text}")
     return outcome[1]
 
 
@@ -72,7 +75,7 @@ def initialize(
 ) -> None:
     """Join the process group (torchrun or srun env vars), build megatron's groups, seed RNGs."""
     install_cpu_compat()
-    from megatron.core import parallel_state, tensor_parallel as mp_tensor_parallel
+    from megatron.core import parallel_state
 
     if not dist.is_initialized():
         rank = _env_int("RANK", "SLURM_PROCID", default=0)

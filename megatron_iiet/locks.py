@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
+from megatron_iiet.errors import OperatorError
 from megatron_iiet.storage import refusing_directory, storage_error
 
 LOCK_SUFFIX = ".lock"
@@ -27,7 +28,7 @@ DIRECTORY_LOCK = ".run.lock"
 _held: dict[Path, int] = {}  # lock files this process holds -> how many times
 
 
-class LockHeld(ValueError):
+class LockHeld(OperatorError, ValueError):
     """Another job holds the lock, or the lock cannot be written (the line says which)."""
 
 

@@ -5,8 +5,11 @@ about 175 call sites allocate on ``torch.cuda.current_device()``, the pipeline s
 ``torch.zeros(..., device="cuda")`` and p2p code calls ``torch.cuda.synchronize()``. This module
 answers those assumptions on the CPU so the same library code runs with gloo on a laptop or CI.
 
-Everything here is switched on by :func:`install_cpu_compat`, which does nothing when CUDA is
-available: on GPU clusters megatron-core runs unpatched.
+Everything here is switched on by :func:`install_cpu_compat` (and, for DeepSpeed,
+:func:`install_deepspeed_cpu_compat`), which do nothing when CUDA is available: on GPU clusters
+megatron-core and DeepSpeed run unpatched. The rest of the code asks this module, not
+``torch.cuda``, what the machine can do: :func:`compute_device`, :func:`model_config_defaults`,
+:func:`gpu_only_refusal`, :func:`synchronize`.
 """
 
 from __future__ import annotations
@@ -46,6 +49,45 @@ def compute_device() -> torch.device:
     if cuda_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def synchronize() -> None:
+    """Wait for queued device work (timing): a no-op without CUDA."""
+    if cuda_available():
+        torch.cuda.synchronize()
+
+
+def model_config_defaults() -> dict:
+    """TransformerConfig settings that depend on the machine: build weights on the CPU when
+    there is no GPU, and skip the sync after batched p2p (it needs CUDA; gloo has no use for it)."""
+    return {"use_cpu_initialization": not cuda_available(), "batch_p2p_sync": cuda_available()}
+
+
+# Features megatron-core (0.16) offers only on CUDA, with what to use instead on a CPU.
+_GPU_ONLY = {
+    "sequence_parallel": "megatron-core's torch-norm path refuses it on CPU; set it to False",
+    "mixed_precision_optimizer": "its mixed-precision optimizer is GPU-only; use fp32 or "
+                                 "parallel.engine=deepspeed",
+    "distributed_optimizer": "on CPU shard optimizer state with parallel.engine=deepspeed (ZeRO)",
+}
+
+
+def gpu_only_refusal(feature: str):
+    """None on a GPU machine; else why ``feature`` (a key of _GPU_ONLY) cannot run here."""
+    return None if cuda_available() else f"needs CUDA ({_GPU_ONLY[feature]})"
+
+
+def install_deepspeed_cpu_compat() -> None:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce (~50 s) used only by
+    inference kernels; training collectives go through torch.distributed (gloo) either way, so
+    skip building it. A no-op with CUDA."""
+    if cuda_available():
+        return
+    import sys
+
+    import deepspeed.comm.torch  # noqa: F401  (deepspeed.comm's `torch` attribute is torch itself)
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 
 
 def _as_cpu_device(device):

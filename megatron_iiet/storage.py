@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from megatron_iiet.errors import OperatorError
+
 _OPERATOR_ERRNOS = {
     errno.ENOSPC: "no space left on {where}",
     errno.EDQUOT: "disk quota exceeded on {where}",
@@ -22,7 +24,7 @@ _TEXTS = {"No space left on device": errno.ENOSPC, "Disk quota exceeded": errno.
           "unexpected pos": errno.ENOSPC}
 
 
-class StorageError(OSError):
+class StorageError(OperatorError, OSError):
     """A write failed for a reason outside the program; ``str()`` is the one-line reason."""
 
     def __init__(self, message: str, code: int):

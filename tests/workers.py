@@ -39,7 +39,7 @@ def build_tiny(variant, **overrides):
     from megatron.core import parallel_state as ps
 
     from megatron_iiet.model.config import preset
-    from megatron_iiet.model.gpt import IIETModel
+    from megatron_iiet.model.gpt import IIETGPTModel
     from megatron_iiet.model.sharding import init_layout_independent
 
     arch, form, its = variant
@@ -49,7 +49,7 @@ def build_tiny(variant, **overrides):
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         **overrides,
     )
-    model = IIETModel(cfg)
+    model = IIETGPTModel(cfg)
     init_layout_independent(model, seed=1234)
     return model
 
@@ -59,7 +59,7 @@ def loss_and_grads(variants, **overrides):
     from megatron.core import parallel_state as ps
 
     from megatron_iiet.distributed import seed_everything
-    from megatron_iiet.model.pipeline import forward_backward
+    from megatron_iiet.training.step import forward_backward
     from megatron_iiet.model.sharding import gather_full, grads_of
 
     results = {}
@@ -67,7 +67,7 @@ def loss_and_grads(variants, **overrides):
         seed_everything(99)
         model = build_tiny(variant, **overrides)
         seed_everything(5)
-        losses = forward_backward(model, micro_batches())
+        losses = [m["loss"] for m in forward_backward(model, micro_batches())]
         results[variant_id(variant)] = {
             "losses": losses if ps.is_pipeline_last_stage() else None,
             "grads": gather_full(model, grads_of(model)),
@@ -81,14 +81,14 @@ def checkpointing_matches(variants, modes):
     Dropout is on (hidden and attention), so recompute must replay the same masks.
     """
     from megatron_iiet.distributed import seed_everything
-    from megatron_iiet.model.pipeline import forward_backward
+    from megatron_iiet.training.step import forward_backward
     from megatron_iiet.model.sharding import grads_of
 
     def run(variant, **overrides):
         seed_everything(99)
         model = build_tiny(variant, hidden_dropout=0.1, attention_dropout=0.1, **overrides)
         seed_everything(5)
-        losses = forward_backward(model, micro_batches())
+        losses = [m["loss"] for m in forward_backward(model, micro_batches())]
         return losses, {k: v.clone() for k, v in grads_of(model).items()}
 
     out = {}
@@ -107,12 +107,12 @@ def checkpointing_matches(variants, modes):
 
 def run_without_dropout(variant):
     from megatron_iiet.distributed import seed_everything
-    from megatron_iiet.model.pipeline import forward_backward
+    from megatron_iiet.training.step import forward_backward
 
     seed_everything(99)
     model = build_tiny(variant)
     seed_everything(5)
-    return forward_backward(model, micro_batches(), forward_only=True)
+    return [m["loss"] for m in forward_backward(model, micro_batches(), forward_only=True)]
 
 
 def spec_equivalence(seq: int = 16, batch: int = 2):
@@ -194,14 +194,14 @@ def flops_against_counter(variants, batch: int = 2, seq: int = 32):
 def preset_parameter_counts(names):
     """Parameters of each preset's model as built (on the meta device: nothing allocated)."""
     from megatron_iiet.model.config import preset
-    from megatron_iiet.model.gpt import IIETModel
+    from megatron_iiet.model.gpt import IIETGPTModel
 
     counts = {}
     for name in names:
         for arch in ("vanilla", "iiet"):
             cfg = preset(name, architecture=arch, perform_initialization=False)
             with torch.device("meta"):
-                model = IIETModel(cfg)
+                model = IIETGPTModel(cfg)
             counts[(name, arch)] = sum(p.numel() for p in model.parameters())
     return counts
 

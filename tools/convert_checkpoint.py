@@ -28,17 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ARCHITECTURES = ("vanilla", "ode_rk2", "ode_rk2_gated", "ode_rk4", "pcformer_rk2",
-                 "pcformer_rk4", "iiet")
-
-
-def parse_iterations(text):
-    """'3' -> 3 (every layer); '3,2,1,0' -> one entry per layer."""
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int or a comma list of ints, got {text!r}")
-    return values[0] if len(values) == 1 else values
+from megatron_iiet.cli import parse_iterations  # noqa: E402
+from megatron_iiet.hf.checks import DTYPES  # noqa: E402
+from megatron_iiet.model.architectures import architecture_names  # noqa: E402
 
 
 def build_parser():
@@ -49,7 +41,7 @@ def build_parser():
     to_hf = sub.add_parser("megatron-to-hf", help="export a training checkpoint as an HF folder")
     to_hf.add_argument("checkpoint", help="checkpoint root (with `latest`) or an iter_* dir")
     to_hf.add_argument("out_dir", type=Path)
-    to_hf.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    to_hf.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
     to_hf.add_argument("--trim-vocab", action="store_true",
                        help="cut the vocabulary padding (to the tokenizer's size)")
     to_hf.add_argument("--max-shard-size", default="2GB")
@@ -61,12 +53,12 @@ def build_parser():
     to_meg.add_argument("out_dir", type=Path, help="checkpoint root to create")
     to_meg.add_argument("--tp", type=int, default=1, help="tensor-parallel size to write")
     to_meg.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to write")
-    to_meg.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    to_meg.add_argument("--precision", choices=tuple(DTYPES), default="fp32")
     to_meg.add_argument("--iterations", type=parse_iterations, default=None,
                         help="IIET iteration plan to record (default: the folder's)")
 
     for p in (to_hf, to_meg):
-        p.add_argument("--expect-architecture", choices=ARCHITECTURES,
+        p.add_argument("--expect-architecture", choices=architecture_names(),
                        help="refuse a source of another architecture")
         p.add_argument("--force", action="store_true", help="replace the output if it exists")
         p.add_argument("--allow-nonfinite", action="store_true",

@@ -19,19 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from megatron_iiet.cli import fail  # noqa: E402
+from megatron_iiet.cli import fail, parse_iterations  # noqa: E402
 from megatron_iiet.hf.release_import import ReleaseImportError, import_release  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def parse_iterations(text):
-    """'3' -> 3 (every layer); '3,2,1,0' -> per-layer list (E-IIET plan)."""
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"iterations must be an int or a comma list of ints, got {text!r}")
-    return values[0] if len(values) == 1 else values
 
 
 def build_parser():

@@ -4,18 +4,20 @@ All derive from ValueError so callers that only care about "bad input" can catch
 message names the offending file (and line or row where one exists).
 """
 
+from megatron_iiet.errors import OperatorError
 
-class DataInputError(ValueError):
+
+class DataInputError(OperatorError, ValueError):
     """An input file or argument cannot be used (missing, empty, undecodable, wrong field)."""
 
 
-class CorruptDatasetError(ValueError):
+class CorruptDatasetError(OperatorError, ValueError):
     """An indexed dataset (.bin/.idx/.meta.json) is truncated, corrupted or inconsistent."""
 
 
-class TokenizerMismatchError(ValueError):
+class TokenizerMismatchError(OperatorError, ValueError):
     """Data made with one tokenizer is mixed with, or would be overwritten by, another's."""
 
 
-class OutputWriteError(ValueError):
+class OutputWriteError(OperatorError, ValueError):
     """The output location cannot be written: permission denied, read-only, or full."""

@@ -8,10 +8,11 @@ any transformers install loads them with trust_remote_code=True.
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from .configuration_iiet import ARCHITECTURES, FORMULATIONS, IIETConfig
+from .configuration_iiet import IIETConfig, architecture_names, formulation_names
 from .modeling_iiet import IIETCache, IIETForCausalLM, IIETModel
 
 AutoConfig.register(IIETConfig.model_type, IIETConfig, exist_ok=True)
 AutoModelForCausalLM.register(IIETConfig, IIETForCausalLM, exist_ok=True)
 
-__all__ = ["ARCHITECTURES", "FORMULATIONS", "IIETCache", "IIETConfig", "IIETForCausalLM", "IIETModel"]
+__all__ = ["IIETCache", "IIETConfig", "IIETForCausalLM", "IIETModel", "architecture_names",
+           "formulation_names"]

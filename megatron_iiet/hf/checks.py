@@ -2,53 +2,59 @@
 no megatron import).
 
 Every refusal is a ConversionError whose one-line message names the file (or tensor) at fault,
-so the CLI can print it as is and exit 2. Kept apart from convert.py, which does the mapping.
+so the CLI can print it as is and exit 2. The mapping itself is in mapping.py, the two
+directions in megatron_to_hf.py and hf_to_megatron.py.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Mapping, Optional
 
 import torch
 
-LATEST = "latest"
-META = "meta.json"
+from megatron_iiet.errors import OperatorError
+from megatron_iiet.training.checkpoint_index import (LATEST, META, CheckpointError,
+                                                     checkpoint_name_in, describe_contents,
+                                                     read_meta)
+
 # dist_checkpointing's own marker file: tells a megatron checkpoint from any other folder.
 DIST_CKPT_MARKER = "metadata.json"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class ConversionError(ValueError):
+class ConversionError(OperatorError, ValueError):
     """Bad input for a conversion (named in the message); nothing has been written."""
 
 
-# ==============================================================================================
-# A megatron checkpoint directory
-# ==============================================================================================
-def _shown(text: str, limit: int = 40) -> str:
-    """`text` quoted on one line (repr escapes control characters), cut to `limit` chars."""
-    return repr(text[:limit]) + ("..." if len(text) > limit else "")
+def dtype_named(option: str, name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ConversionError(f"{option}: {name!r} is not one of {', '.join(DTYPES)}")
+    return DTYPES[name]
 
 
+def check_destination(dst: Path, force: bool) -> None:
+    if dst.exists() and not force:
+        raise ConversionError(f"{dst} exists; pass --force to replace it")
+
+
+# ==============================================================================================
+# A megatron checkpoint directory (read as the trainer's checkpoint index reads it)
+# ==============================================================================================
 def read_latest_pointer(pointer: Path) -> str:
     """The directory name a `latest` file holds. The trainer writes one bare iter_* name; a
     garbled file (binary, several lines, a path leading out of the root) is refused by name
-    rather than followed somewhere unexpected."""
+    rather than followed somewhere unexpected (a resume would fall back to the newest complete
+    checkpoint instead; a conversion of "the latest" must not guess)."""
     try:
         raw = pointer.read_bytes()
     except OSError as err:
         raise ConversionError(f"{pointer}: unreadable ({err.strerror})") from err
-    try:
-        name = raw.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        found = f"{len(raw)} bytes of binary data"
-    else:
-        if name and name.isprintable() and name not in (".", "..") and Path(name).name == name:
-            return name
-        found = "an empty file" if not name else _shown(name)
-    raise ConversionError(f"{pointer}: not a checkpoint pointer (expected the name of an iter_* "
-                          f"directory next to it, found {found})")
+    name = checkpoint_name_in(raw)
+    if name is None:
+        raise ConversionError(f"{pointer}: not a checkpoint pointer (expected the name of an "
+                              f"iter_* directory next to it, found {describe_contents(raw)})")
+    return name
 
 
 def find_checkpoint(path) -> Path:
@@ -72,22 +78,15 @@ def find_checkpoint(path) -> Path:
 
 
 def read_checkpoint_meta(ckpt: Path) -> dict:
-    path = ckpt / META
     try:
-        meta = json.loads(path.read_bytes())  # bytes: a binary file is a decode error, below
+        meta = read_meta(ckpt)
+    except CheckpointError as err:  # missing, not JSON, no step: the index names the file
+        raise ConversionError(str(err)) from err
     except OSError as err:
-        raise ConversionError(f"{path}: unreadable ({err.strerror})") from err
-    except UnicodeDecodeError as err:
-        raise ConversionError(f"{path}: not valid JSON (binary data: {err.reason} at byte "
-                              f"{err.start})") from err
-    except json.JSONDecodeError as err:  # a truncated file ends up here too
-        raise ConversionError(f"{path}: not valid JSON ({err})") from err
-    if not isinstance(meta, dict):
-        raise ConversionError(f"{path}: not written by this project's trainer (a JSON "
-                              f"{type(meta).__name__}, not an object)")
+        raise ConversionError(f"{ckpt / META}: unreadable ({err.strerror})") from err
     missing = [k for k in ("config", "architecture") if not isinstance(meta.get(k), dict)]
     if missing:
-        raise ConversionError(f"{path}: not written by this project's trainer "
+        raise ConversionError(f"{ckpt / META}: not written by this project's trainer "
                               f"(no {', '.join(missing)})")
     return meta
 
@@ -173,10 +172,13 @@ def refuse_nonfinite(tensors: Mapping[str, torch.Tensor], source, allow: bool,
 __all__ = [
     "ConversionError",
     "DIST_CKPT_MARKER",
+    "DTYPES",
     "LATEST",
     "META",
+    "check_destination",
     "check_expected_architecture",
     "check_shards_present",
+    "dtype_named",
     "find_checkpoint",
     "read_checkpoint_meta",
     "read_latest_pointer",

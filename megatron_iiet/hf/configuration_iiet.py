@@ -1,34 +1,60 @@
 """Hugging Face configuration for IIET models and their baselines.
 
 This file is copied verbatim into every exported checkpoint folder, so it must import nothing but
-torch/transformers. Field names follow LlamaConfig so LLaMA-aware tooling reads the sizes; the
+the standard library, torch and transformers. Field names follow LlamaConfig so LLaMA-aware tooling reads the sizes; the
 IIET-specific fields are `architecture`, `formulation`, `iterations` and `history_norm_eps`.
 """
 
+from dataclasses import dataclass
+from typing import Callable
+
 from transformers import PretrainedConfig
 
-ARCHITECTURES = (
-    "vanilla",
-    "ode_rk2",
-    "ode_rk2_gated",
-    "ode_rk4",
-    "pcformer_rk2",
-    "pcformer_rk4",
-    "iiet",
-)
-FORMULATIONS = ("history", "fixed_point")
 
-# Block evaluations per layer for the architectures whose count does not depend on `iterations`
-# (spec sections 1, 2 and 4: PCformer = predictor stages + one corrector pass).
-FIXED_PASSES = {
-    "vanilla": 1,
-    "ode_rk2": 2,
-    "ode_rk2_gated": 2,
-    "ode_rk4": 4,
-    "pcformer_rk2": 3,
-    "pcformer_rk4": 5,
+@dataclass(frozen=True)
+class Scheme:
+    """What the config knows of an architecture; its step and parameters are in modeling_iiet.py."""
+
+    passes: Callable[[int], int]  # a layer's iterations -> its block passes (KV-cache slots)
+    uses_history: bool = False  # carries the cross-layer history of spec section 3
+
+
+def _passes_fixed(n):
+    return lambda iterations: n
+
+
+def _predictor_plus_iterations(iterations):
+    return 1 + iterations
+
+
+# Every architecture this code runs, keyed by name, or "name/formulation" for one with several
+# formulations (IIET). The HF mirror of megatron_iiet/model/architectures.py (whose tests check
+# that both agree); spec sections 1, 2, 4 and 5 (PCformer = predictor stages + one corrector).
+SCHEMES = {
+    "vanilla": Scheme(_passes_fixed(1)),
+    "ode_rk2": Scheme(_passes_fixed(2)),
+    "ode_rk2_gated": Scheme(_passes_fixed(2)),
+    "ode_rk4": Scheme(_passes_fixed(4)),
+    "pcformer_rk2": Scheme(_passes_fixed(3), uses_history=True),
+    "pcformer_rk4": Scheme(_passes_fixed(5), uses_history=True),
+    "iiet/history": Scheme(_predictor_plus_iterations, uses_history=True),
+    "iiet/fixed_point": Scheme(_predictor_plus_iterations),
 }
 DEFAULT_ITERATIONS = 3
+
+
+def scheme_key(architecture, formulation):
+    """The SCHEMES key of an architecture: the formulation counts only where it has several."""
+    key = f"{architecture}/{formulation}"
+    return key if key in SCHEMES else architecture
+
+
+def architecture_names():
+    return tuple(dict.fromkeys(key.split("/")[0] for key in SCHEMES))
+
+
+def formulation_names():
+    return tuple(dict.fromkeys(key.split("/")[1] for key in SCHEMES if "/" in key))
 
 
 class IIETConfig(PretrainedConfig):
@@ -87,10 +113,12 @@ class IIETConfig(PretrainedConfig):
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     def _check(self):
-        if self.architecture not in ARCHITECTURES:
-            raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {self.architecture!r}")
-        if self.formulation not in FORMULATIONS:
-            raise ValueError(f"formulation must be one of {FORMULATIONS}, got {self.formulation!r}")
+        if self.architecture not in architecture_names():
+            raise ValueError(f"architecture must be one of {architecture_names()}, got {self.architecture!r}")
+        if self.formulation not in formulation_names():
+            raise ValueError(f"formulation must be one of {formulation_names()}, got {self.formulation!r}")
+        if scheme_key(self.architecture, self.formulation) not in SCHEMES:
+            raise ValueError(f"architecture {self.architecture!r} has no {self.formulation!r} formulation")
         if len(self.iterations) != self.num_hidden_layers:
             raise ValueError(
                 f"iterations has {len(self.iterations)} entries, expected one per layer "
@@ -104,20 +132,20 @@ class IIETConfig(PretrainedConfig):
             raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
 
     @property
+    def scheme(self):
+        return SCHEMES[scheme_key(self.architecture, self.formulation)]
+
+    @property
     def uses_history(self):
         """Whether the model carries the cross-layer history of spec section 3."""
-        return self.architecture.startswith("pcformer") or (
-            self.architecture == "iiet" and self.formulation == "history"
-        )
+        return self.scheme.uses_history
 
     def passes_per_layer(self):
         """Block evaluations of each layer: one KV-cache slot per (layer, pass)."""
-        if self.architecture == "iiet":
-            return [1 + r for r in self.iterations]
-        return [FIXED_PASSES[self.architecture]] * self.num_hidden_layers
+        return [self.scheme.passes(r) for r in self.iterations]
 
 
 # save_pretrained copies this file next to the weights and records it in auto_map.
 IIETConfig.register_for_auto_class()
 
-__all__ = ["IIETConfig", "ARCHITECTURES", "FORMULATIONS"]
+__all__ = ["IIETConfig", "SCHEMES", "Scheme", "architecture_names", "formulation_names", "scheme_key"]

@@ -15,6 +15,7 @@ State-dict names follow the authors' LLaMA-style release; the full list is in do
 """
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,7 @@ try:  # transformers >= 5: init helpers that skip tensors already loaded from a 
 except ImportError:  # pragma: no cover - older transformers
     _init = None
 
-from .configuration_iiet import IIETConfig
+from .configuration_iiet import IIETConfig, scheme_key
 
 # transformers 5 renamed the output field `past_key_values` to `cache`.
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -160,8 +161,8 @@ class IIETDecoderLayer(nn.Module):
         self.self_attn = IIETAttention(config)
         self.post_attention_layernorm = IIETRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = IIETMLP(config)
-        if config.architecture == "ode_rk2_gated":
-            self.gate_linear = nn.Linear(2 * config.hidden_size, 1, bias=False)
+        for name, module in step_of(config).layer_parameters(config).items():
+            setattr(self, name, module)
 
     def block(self, u, pass_index, ctx):
         slot = ctx.slot(self.layer_index, pass_index)
@@ -289,17 +290,56 @@ def iiet_fixed_point_step(run, x, iterations, **_):
     return y
 
 
-def select_step(config):
-    if config.architecture == "iiet":
-        return iiet_history_step if config.formulation == "history" else iiet_fixed_point_step
-    return {
-        "vanilla": vanilla_step,
-        "ode_rk2": ode_rk2_step,
-        "ode_rk2_gated": ode_rk2_gated_step,
-        "ode_rk4": ode_rk4_step,
-        "pcformer_rk2": pcformer_step,
-        "pcformer_rk4": pcformer_step,
-    }[config.architecture]
+# ----------------------------------------------------------------------------------------------
+# The registry: each architecture's step and the parameters it adds (keys as in SCHEMES of
+# configuration_iiet.py; the HF mirror of megatron_iiet/model/architectures.py)
+# ----------------------------------------------------------------------------------------------
+def no_parameters(config):
+    return {}
+
+
+@dataclass(frozen=True)
+class Step:
+    function: Callable
+    layer_parameters: Callable = no_parameters  # config -> {name: module} of every decoder layer
+    model_parameters: Callable = no_parameters  # config -> {name: module or parameter} of `model.`
+
+
+def rk2_gate(config):
+    return {"gate_linear": nn.Linear(2 * config.hidden_size, 1, bias=False)}
+
+
+def history_parameters(config):
+    return {"history": IIETHistory(config)}
+
+
+def pcformer_parameters(stages):
+    def build(config):
+        norms = nn.ModuleList(nn.LayerNorm(config.hidden_size, eps=config.history_norm_eps)
+                              for _ in range(stages))
+        return {**history_parameters(config), "alpha": nn.Parameter(torch.full((1,), 0.5)),
+                "RK_norm": norms}
+
+    return build
+
+
+STEPS = {
+    "vanilla": Step(vanilla_step),
+    "ode_rk2": Step(ode_rk2_step),
+    "ode_rk2_gated": Step(ode_rk2_gated_step, layer_parameters=rk2_gate),
+    "ode_rk4": Step(ode_rk4_step),
+    "pcformer_rk2": Step(pcformer_step, model_parameters=pcformer_parameters(2)),
+    "pcformer_rk4": Step(pcformer_step, model_parameters=pcformer_parameters(4)),
+    "iiet/history": Step(iiet_history_step, model_parameters=history_parameters),
+    "iiet/fixed_point": Step(iiet_fixed_point_step),
+}
+
+
+def step_of(config):
+    key = scheme_key(config.architecture, config.formulation)
+    if key not in STEPS:
+        raise ValueError(f"architecture {key!r} has no step in modeling_iiet.STEPS")
+    return STEPS[key]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -369,12 +409,8 @@ class IIETModel(IIETPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, d)
         self.layers = nn.ModuleList(IIETDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = IIETRMSNorm(d, config.rms_norm_eps)
-        if config.uses_history:
-            self.history = IIETHistory(config)
-        if config.architecture.startswith("pcformer"):
-            stages = 2 if config.architecture == "pcformer_rk2" else 4
-            self.alpha = nn.Parameter(torch.full((1,), 0.5))
-            self.RK_norm = nn.ModuleList(nn.LayerNorm(d, eps=config.history_norm_eps) for _ in range(stages))
+        for name, value in step_of(config).model_parameters(config).items():
+            setattr(self, name, value)
         self.post_init()
 
     def get_input_embeddings(self):
@@ -429,9 +465,9 @@ class IIETModel(IIETPreTrainedModel):
                                self.config.rope_theta, inputs_embeds.dtype)
         ctx = PassContext(cos, sin, build_attention_mask(attention_mask, query_len, past_len, device), cache)
 
-        step = select_step(self.config)
+        step = step_of(self.config).function
         history = getattr(self, "history", None)
-        states = [inputs_embeds] if history is not None else None
+        states = [inputs_embeds] if self.config.uses_history else None
         x = inputs_embeds
         for layer, iterations in zip(self.layers, self.config.iterations):
             def run(u, pass_index, layer=layer):
@@ -503,4 +539,4 @@ class IIETForCausalLM(IIETPreTrainedModel, GenerationMixin):
 
 IIETForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
-__all__ = ["IIETCache", "IIETModel", "IIETForCausalLM", "IIETPreTrainedModel"]
+__all__ = ["IIETCache", "IIETModel", "IIETForCausalLM", "IIETPreTrainedModel", "STEPS", "Step"]

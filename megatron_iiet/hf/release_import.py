@@ -22,11 +22,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file as load_safetensors
 
+from megatron_iiet.errors import OperatorError
+
 from .configuration_iiet import IIETConfig
 from .modeling_iiet import IIETForCausalLM
 
 
-class ReleaseImportError(ValueError):
+class ReleaseImportError(OperatorError, ValueError):
     """The source folder is not a usable release checkpoint, or the output cannot be written."""
 
 
@@ -47,7 +49,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _CORRUPT_FILE_ERRORS = (SafetensorError, pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError,
                         EOFError, ValueError)
 # Files copied unchanged so the imported folder keeps its tokenizer.
-_TOKENIZER_FILES = (
+TOKENIZER_FILES = (
     "tokenizer.model",
     "tokenizer.json",
     "tokenizer_config.json",
@@ -267,7 +269,7 @@ def import_release(src, dst, iterations=None, force=False, dtype=None, max_shard
 
     def fill(folder: Path):
         model.save_pretrained(folder, max_shard_size=max_shard_size)
-        for name in _TOKENIZER_FILES:
+        for name in TOKENIZER_FILES:
             if (src / name).is_file():
                 shutil.copy2(src / name, folder / name)
 
@@ -276,6 +278,7 @@ def import_release(src, dst, iterations=None, force=False, dtype=None, max_shard
 
 __all__ = [
     "ReleaseImportError",
+    "TOKENIZER_FILES",
     "build_config",
     "check_tensors",
     "detect_architecture",

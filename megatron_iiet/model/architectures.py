@@ -1,18 +1,35 @@
-"""The architectures of the spec, each a few lines over the shared pass and history machinery.
+"""The architectures of the spec, each declared once: its step, its passes, its parameters.
 
 A step maps one layer's input ``x`` and the history states so far to the layer output and the
 updated states. It calls ``run(u)`` (one pass of the layer's block) as often as it declares in
 ``passes``; ``run`` owns checkpointing and pass bookkeeping.
+
+What an architecture adds to the shared block (the history rows, the RK2 gate, PCformer's
+model-wide alpha and stage norms) is declared with it as ``Parameters``: the module stack.py
+builds (through a megatron ModuleSpec), the names of its tensors in the megatron and HF layouts
+(moved by hf/mapping.py) and its matmul FLOPs (counted by flops.py). Nothing else branches on
+architecture names, so a new architecture is one ``register_architecture`` call, plus its mirror
+in the self-contained HF code (``SCHEMES`` in hf/configuration_iiet.py, ``STEPS`` in
+hf/modeling_iiet.py; tests/model/test_registry.py checks that the two sides agree).
+
+Plain torch, no megatron import: the command-line tools read their choice lists here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
+from torch import nn
 
-from megatron_iiet.model.ode_step import PassRunner
+from megatron_iiet.model.history import LayerHistoryParams
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_iiet.model.config import IIETTransformerConfig
+    from megatron_iiet.model.ode_step import PassRunner
 
 States = list[torch.Tensor]
 
@@ -22,21 +39,125 @@ class StepInputs:
     x: torch.Tensor
     states: States
     run: PassRunner
-    layer: torch.nn.Module  # the ODELayer: .history (LayerHistoryParams), .gate
-    shared: torch.nn.Module  # model-wide parameters (PCformer's alpha and stage norms)
+    layer: nn.Module  # the ODELayer: its block and its architecture's layer parameters by name
+    shared: Optional[nn.Module]  # the architecture's model-wide parameters (decoder.shared)
     iterations: int
 
 
 @dataclass(frozen=True)
+class TensorName:
+    """One tensor in both layouts. ``{i}`` stands for the 0-based layer in either name."""
+
+    megatron: str  # full name in a TP=1/PP=1 model
+    hf: str  # name in the HF state dict
+    history_row: bool = False  # the megatron vector of layer i is row i+1 of the HF matrix
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.megatron
+
+    def pairs(self, num_layers: int) -> list[tuple[str, str]]:
+        """(megatron, HF) names of the tensors this stands for in a model of `num_layers`
+        layers (a history row's HF name is that of its whole matrix)."""
+        layers = range(num_layers) if self.per_layer else [None]
+        return [(self.megatron.format(i=i), self.hf.format(i=i)) for i in layers]
+
+
+def _no_flops(config: IIETTransformerConfig) -> float:
+    return 0.0
+
+
+@dataclass(frozen=True)
+class Parameters:
+    """Parameters an architecture adds to the block: ``module(config=..., **params)`` (plus
+    ``layer_number=`` for per-layer ones), built as the ``name`` attribute of every ODELayer or,
+    model-wide, as ``decoder.shared``."""
+
+    name: str
+    module: type
+    tensors: tuple[TensorName, ...]
+    params: dict = field(default_factory=dict)
+    flops_per_token: Callable[[IIETTransformerConfig], float] = _no_flops  # per layer, forward
+
+    def spec(self) -> ModuleSpec:
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        return ModuleSpec(module=self.module, params=dict(self.params))
+
+
+@dataclass(frozen=True)
 class Architecture:
+    """One registry entry: everything the stack, the config checks, FLOPs and conversion need."""
+
     name: str
     step: Callable[[StepInputs], tuple[torch.Tensor, States]]
     passes: Callable[[int], int]  # iterations of the layer -> passes of its block
-    uses_history: bool = False
-    gated: bool = False
-    pcformer_stages: int = 0
+    formulation: Optional[str] = None  # one of several forms of the same architecture (IIET)
+    iterates: bool = False  # each layer takes `iterations` (E-IIET plans); else they are 0
+    uses_history: bool = False  # carries the cross-layer history states (spec section 3)
+    layer_parameters: tuple[Parameters, ...] = ()
+    shared_parameters: Optional[Parameters] = None  # one copy on every pipeline stage
+
+    @property
+    def key(self) -> str:
+        return self.name if self.formulation is None else f"{self.name}/{self.formulation}"
+
+    @property
+    def tensor_names(self) -> tuple[TensorName, ...]:
+        parts = self.layer_parameters + ((self.shared_parameters,) if self.shared_parameters else ())
+        return tuple(name for part in parts for name in part.tensors)
 
 
+# ---- parameters -----------------------------------------------------------------------------
+class GateLinear(nn.Linear):
+    """RK2-gated's gate: g = sigmoid(W_g [F1; F2]), one scalar per token."""
+
+    def __init__(self, config: IIETTransformerConfig, layer_number: int):
+        super().__init__(2 * config.hidden_size, 1, bias=False, dtype=config.params_dtype)
+        config.init_method(self.weight)
+
+
+class PCformerShared(nn.Module):
+    """PCformer's model-wide predictor parameters: EMA coefficient a and one norm per stage."""
+
+    def __init__(self, config: IIETTransformerConfig, stages: int):
+        super().__init__()
+        dtype = config.params_dtype
+        self.alpha = nn.Parameter(torch.full((1,), 0.5, dtype=dtype))
+        self.stage_norms = nn.ModuleList(
+            nn.LayerNorm(config.hidden_size, eps=config.history_norm_eps, dtype=dtype)
+            for _ in range(stages)
+        )
+
+
+def _history_tensors() -> tuple[TensorName, ...]:
+    ours = "decoder.layers.{i}.history."
+    rows = (TensorName(ours + "pop_weight", "model.history.weight", history_row=True),
+            TensorName(ours + "refine_weight", "model.history.weight_c", history_row=True))
+    norms = tuple(TensorName(f"{ours}{norm}.{p}", f"model.history.{theirs}.{{i}}.{p}")
+                  for norm, theirs in (("predictor_norm", "rouge_predictions_norm"),
+                                       ("corrector_norm", "layer_norms"))
+                  for p in ("weight", "bias"))
+    return rows + norms
+
+
+HISTORY = Parameters("history", LayerHistoryParams, _history_tensors())
+RK2_GATE = Parameters(
+    "gate", GateLinear,
+    (TensorName("decoder.layers.{i}.gate.weight", "model.layers.{i}.gate_linear.weight"),),
+    flops_per_token=lambda config: 2.0 * 2 * config.hidden_size,
+)
+
+
+def pcformer_shared(stages: int) -> Parameters:
+    norms = tuple(TensorName(f"decoder.shared.stage_norms.{j}.{p}", f"model.RK_norm.{j}.{p}")
+                  for j in range(stages) for p in ("weight", "bias"))
+    return Parameters("shared", PCformerShared,
+                      (TensorName("decoder.shared.alpha", "model.alpha"),) + norms,
+                      params={"stages": stages})
+
+
+# ---- steps ----------------------------------------------------------------------------------
 def _vanilla(s: StepInputs):
     return s.run(s.x), s.states
 
@@ -104,11 +225,8 @@ def _iiet_fixed_point(s: StepInputs):
     return y, s.states
 
 
-def _one_pass(iterations: int) -> int:
-    return 1
-
-
-def _passes_fixed(n: int) -> Callable[[int], int]:
+def passes_fixed(n: int) -> Callable[[int], int]:
+    """For architectures whose layers run the same number of passes whatever `iterations`."""
     return lambda iterations: n
 
 
@@ -116,26 +234,54 @@ def _predictor_plus_iterations(iterations: int) -> int:
     return iterations + 1
 
 
-REGISTRY: dict[str, Architecture] = {
-    a.name: a
-    for a in (
-        Architecture("vanilla", _vanilla, _one_pass),
-        Architecture("ode_rk2", _rk2, _passes_fixed(2)),
-        Architecture("ode_rk2_gated", _rk2_gated, _passes_fixed(2), gated=True),
-        Architecture("ode_rk4", _rk4, _passes_fixed(4)),
-        Architecture("pcformer_rk2", _pcformer, _passes_fixed(3), uses_history=True,
-                     pcformer_stages=2),
-        Architecture("pcformer_rk4", _pcformer, _passes_fixed(5), uses_history=True,
-                     pcformer_stages=4),
-        Architecture("iiet/history", _iiet_history, _predictor_plus_iterations,
-                     uses_history=True),
-        Architecture("iiet/fixed_point", _iiet_fixed_point, _predictor_plus_iterations),
-    )
-}
+# ---- the registry ---------------------------------------------------------------------------
+BUILT_IN = (
+    Architecture("vanilla", _vanilla, passes_fixed(1)),
+    Architecture("ode_rk2", _rk2, passes_fixed(2)),
+    Architecture("ode_rk2_gated", _rk2_gated, passes_fixed(2), layer_parameters=(RK2_GATE,)),
+    Architecture("ode_rk4", _rk4, passes_fixed(4)),
+    Architecture("pcformer_rk2", _pcformer, passes_fixed(3), uses_history=True,
+                 layer_parameters=(HISTORY,), shared_parameters=pcformer_shared(2)),
+    Architecture("pcformer_rk4", _pcformer, passes_fixed(5), uses_history=True,
+                 layer_parameters=(HISTORY,), shared_parameters=pcformer_shared(4)),
+    Architecture("iiet", _iiet_history, _predictor_plus_iterations, formulation="history",
+                 iterates=True, uses_history=True, layer_parameters=(HISTORY,)),
+    Architecture("iiet", _iiet_fixed_point, _predictor_plus_iterations,
+                 formulation="fixed_point", iterates=True),
+)
+REGISTRY: dict[str, Architecture] = {a.key: a for a in BUILT_IN}
+
+
+def register_architecture(architecture: Architecture) -> Architecture:
+    """Add an architecture; config validation, the stack, FLOPs, conversion and the CLIs see it."""
+    if architecture.key in REGISTRY:
+        raise ValueError(f"architecture: {architecture.key!r} is registered already")
+    REGISTRY[architecture.key] = architecture
+    return architecture
+
+
+def architecture_names() -> tuple[str, ...]:
+    """Every architecture name (what `architecture` may be), in registration order."""
+    return tuple(dict.fromkeys(a.name for a in REGISTRY.values()))
+
+
+def formulation_names() -> tuple[str, ...]:
+    return tuple(dict.fromkeys(a.formulation for a in REGISTRY.values() if a.formulation))
+
+
+def iterating_names() -> tuple[str, ...]:
+    return tuple(dict.fromkeys(a.name for a in REGISTRY.values() if a.iterates))
 
 
 def get_architecture(name: str, formulation: str = "history") -> Architecture:
-    key = f"{name}/{formulation}" if name == "iiet" else name
-    if key not in REGISTRY:
-        raise ValueError(f"architecture: unknown {name!r}")
-    return REGISTRY[key]
+    """The registered architecture `name`, in `formulation` when it has several (ignored else)."""
+    if name in REGISTRY:
+        return REGISTRY[name]
+    forms = [a.formulation for a in REGISTRY.values() if a.name == name]
+    if not forms:
+        raise ValueError(f"architecture: unknown {name!r}; choose one of "
+                         f"{', '.join(architecture_names())}")
+    if formulation not in forms:
+        raise ValueError(f"formulation: {name} has no {formulation!r} form; choose one of "
+                         f"{', '.join(forms)}")
+    return REGISTRY[f"{name}/{formulation}"]

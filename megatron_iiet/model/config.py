@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-# The exported HF code is the one list of architecture names (it must stay self-contained).
-from megatron_iiet.hf.configuration_iiet import ARCHITECTURES, FORMULATIONS
-from megatron_iiet.platform import cuda_available
+from megatron_iiet.model.architectures import (architecture_names, formulation_names,
+                                               get_architecture, iterating_names)
+from megatron_iiet.platform import gpu_only_refusal, model_config_defaults
 
 ITERATION_CHECKPOINTING = ("none", "all_passes", "all_but_last_pass")
 
@@ -33,7 +33,7 @@ class IIETTransformerConfig(TransformerConfig):
     """
 
     architecture: str = "iiet"
-    """One of ARCHITECTURES (spec sections 1-5)."""
+    """One of architectures.architecture_names() (spec sections 1-5)."""
 
     formulation: str = "history"
     """IIET only: "history" (the released form, spec 5b) or "fixed_point" (paper form, 5a)."""
@@ -71,9 +71,9 @@ class IIETTransformerConfig(TransformerConfig):
     persist_layer_norm: bool = False
     gradient_accumulation_fusion: bool = False
     cross_entropy_loss_fusion: bool = False
-    use_cpu_initialization: bool = field(default_factory=lambda: not cuda_available())
-    # gloo has no use for the sync after batched p2p, and it needs CUDA.
-    batch_p2p_sync: bool = field(default_factory=cuda_available)
+    use_cpu_initialization: bool = field(
+        default_factory=lambda: model_config_defaults()["use_cpu_initialization"])
+    batch_p2p_sync: bool = field(default_factory=lambda: model_config_defaults()["batch_p2p_sync"])
 
     def __post_init__(self):
         self._validate_iiet_fields()
@@ -85,17 +85,15 @@ class IIETTransformerConfig(TransformerConfig):
             # LLaMA-style: every matrix N(0, 0.02), no depth scaling (spec section 7).
             self.output_layer_init_method = _init_normal(self.init_method_std)
         super().__post_init__()
-        if self.sequence_parallel and not cuda_available():
-            raise ValueError(
-                "sequence_parallel: needs CUDA (megatron-core's torch-norm path refuses it on "
-                "CPU); set sequence_parallel=False here"
-            )
+        refusal = self.sequence_parallel and gpu_only_refusal("sequence_parallel")
+        if refusal:
+            raise ValueError(f"sequence_parallel: {refusal}")
 
     # ---- derived -------------------------------------------------------------------------
     @property
     def layer_iterations(self) -> list[int]:
         """Iterations of every layer (0 for architectures that do not iterate)."""
-        if self.architecture != "iiet":
+        if not get_architecture(self.architecture, self.formulation).iterates:
             return [0] * self.num_layers
         if self.iterations is None:
             return [self.max_iterations] * self.num_layers
@@ -103,20 +101,24 @@ class IIETTransformerConfig(TransformerConfig):
 
     # ---- validation ----------------------------------------------------------------------
     def _validate_iiet_fields(self) -> None:
-        if self.architecture not in ARCHITECTURES:
+        if self.architecture not in architecture_names():
             raise ValueError(
-                f"architecture: unknown {self.architecture!r}; choose one of {', '.join(ARCHITECTURES)}"
+                f"architecture: unknown {self.architecture!r}; choose one of "
+                f"{', '.join(architecture_names())}"
             )
-        if self.formulation not in FORMULATIONS:
+        if self.formulation not in formulation_names():
             raise ValueError(
-                f"formulation: unknown {self.formulation!r}; choose one of {', '.join(FORMULATIONS)}"
+                f"formulation: unknown {self.formulation!r}; choose one of "
+                f"{', '.join(formulation_names())}"
             )
+        architecture = get_architecture(self.architecture, self.formulation)
         if self.max_iterations < 0:
             raise ValueError(f"max_iterations: must be >= 0, got {self.max_iterations}")
         if self.iterations is not None:
-            if self.architecture != "iiet":
+            if not architecture.iterates:
                 raise ValueError(
-                    f"iterations: only the iiet architecture iterates, not {self.architecture!r}"
+                    f"iterations: only the {' / '.join(iterating_names())} architecture "
+                    f"iterates, not {self.architecture!r}"
                 )
             its = list(self.iterations)
             if len(its) != self.num_layers:

@@ -45,8 +45,9 @@ def step_flops(config: IIETTransformerConfig, batch_size: int, seq_length: int) 
     per_pass = block_pass_flops(config, tokens, seq_length)
     arch = get_architecture(config.architecture, config.formulation)
     passes = passes_per_layer(config)
-    gate = 2 * tokens * 2 * config.hidden_size if arch.gated else 0
-    layers = sum(p * per_pass + gate for p in passes)
+    # once per layer, not per pass (e.g. RK2-gated's gate)
+    added = tokens * sum(part.flops_per_token(config) for part in arch.layer_parameters)
+    layers = sum(p * per_pass + added for p in passes)
     logits = 2.0 * tokens * config.hidden_size * config.vocab_size
     forward = layers + logits
 
@@ -59,7 +60,7 @@ def step_flops(config: IIETTransformerConfig, batch_size: int, seq_length: int) 
             # megatron semantics: 'uniform' recomputes every layer, 'block' the first N per stage
             whole = len(stage) if config.recompute_method == "uniform" else min(
                 config.recompute_num_layers, len(stage))
-        recomputed += sum(p * per_pass + gate for p in stage[:whole])
+        recomputed += sum(p * per_pass + added for p in stage[:whole])
         for p in stage[whole:]:
             recomputed += sum(checkpointed_passes(config.iteration_checkpointing, p)) * per_pass
     return StepFlops(forward=forward, model=3.0 * forward, hardware=3.0 * forward + recomputed)

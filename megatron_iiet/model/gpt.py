@@ -26,7 +26,7 @@ def block_spec(config: IIETTransformerConfig) -> ModuleSpec:
     return get_gpt_layer_local_spec(normalization=config.normalization)
 
 
-class IIETModel(LanguageModule):
+class IIETGPTModel(LanguageModule):
     """IIET or one of its baselines, as megatron-core expects a GPT-style model to behave.
 
     ``forward(input_ids, position_ids, labels)`` returns per-token losses [b, s] when labels are

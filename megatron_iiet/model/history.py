@@ -19,14 +19,15 @@ from torch import nn
 class LayerHistoryParams(nn.Module):
     """Row ``layer_number`` of W and Wc, plus Np and Nc, for one layer (1-based number)."""
 
-    def __init__(self, layer_number: int, hidden_size: int, eps: float, dtype: torch.dtype):
+    def __init__(self, config, layer_number: int):
         super().__init__()
         self.layer_number = layer_number
+        dtype, eps = config.params_dtype, config.history_norm_eps
         uniform = torch.full((layer_number + 1,), 1.0 / (layer_number + 1), dtype=dtype)
         self.pop_weight = nn.Parameter(uniform.clone())
         self.refine_weight = nn.Parameter(uniform.clone())
-        self.predictor_norm = nn.LayerNorm(hidden_size, eps=eps, dtype=dtype)
-        self.corrector_norm = nn.LayerNorm(hidden_size, eps=eps, dtype=dtype)
+        self.predictor_norm = nn.LayerNorm(config.hidden_size, eps=eps, dtype=dtype)
+        self.corrector_norm = nn.LayerNorm(config.hidden_size, eps=eps, dtype=dtype)
 
     @staticmethod
     def _combine(weights: torch.Tensor, states: list[torch.Tensor]) -> torch.Tensor:

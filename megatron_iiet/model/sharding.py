@@ -162,3 +162,15 @@ def pipeline_shared_params(models: Iterable[torch.nn.Module]):
         for p in m.parameters():
             if getattr(p, "pipeline_shared", False):
                 yield p
+
+
+def parameters_sha256(model) -> str:
+    """A digest of the full (gathered) parameters: equal digests mean bitwise-equal models."""
+    import hashlib
+
+    full = gather_full(model, dict(model.named_parameters()))
+    h = hashlib.sha256()
+    for name in sorted(full):
+        h.update(name.encode())
+        h.update(full[name].detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()

@@ -24,7 +24,6 @@ from torch import nn
 from megatron_iiet.model.architectures import Architecture, StepInputs, get_architecture
 from megatron_iiet.model.config import IIETTransformerConfig
 from megatron_iiet.model.history import (
-    LayerHistoryParams,
     pack_stage_output,
     slices_crossing_boundary,
     unpack_stage_input,
@@ -33,7 +32,8 @@ from megatron_iiet.model.ode_step import PassRunner, checkpoint_with_rng_replay,
 
 
 class ODELayer(MegatronModule):
-    """One decoder layer: a block (weights shared by all its passes) plus what its scheme adds."""
+    """One decoder layer: a block (weights shared by all its passes) plus the parameters its
+    architecture declares (``architecture.layer_parameters``, each an attribute by its name)."""
 
     def __init__(
         self,
@@ -47,16 +47,9 @@ class ODELayer(MegatronModule):
         self.architecture = architecture
         self.iterations = config.layer_iterations[layer_number - 1]
         self.block = build_module(block_spec, config=config, layer_number=layer_number)
-        self.history = (
-            LayerHistoryParams(layer_number, config.hidden_size, config.history_norm_eps,
-                               config.params_dtype)
-            if architecture.uses_history
-            else None
-        )
-        self.gate = None
-        if architecture.gated:
-            self.gate = nn.Linear(2 * config.hidden_size, 1, bias=False, dtype=config.params_dtype)
-            config.init_method(self.gate.weight)
+        for part in architecture.layer_parameters:
+            self.add_module(part.name, build_module(part.spec(), config=config,
+                                                    layer_number=layer_number))
 
     @property
     def passes(self) -> int:
@@ -80,23 +73,6 @@ class ODELayer(MegatronModule):
         return out, new_states
 
 
-class PCformerShared(nn.Module):
-    """PCformer's model-wide predictor parameters: EMA coefficient a and one norm per stage.
-
-    With pipeline parallelism every stage holds a copy; their gradients are summed over the
-    pipeline group (``pipeline_shared`` marks them for ``finalize_model_grads``).
-    """
-
-    def __init__(self, stages: int, hidden_size: int, eps: float, dtype: torch.dtype):
-        super().__init__()
-        self.alpha = nn.Parameter(torch.full((1,), 0.5, dtype=dtype))
-        self.stage_norms = nn.ModuleList(
-            nn.LayerNorm(hidden_size, eps=eps, dtype=dtype) for _ in range(stages)
-        )
-        for p in self.parameters():
-            p.pipeline_shared = True
-
-
 class ODEStack(MegatronModule):
     """The decoder layers of one pipeline stage (and the final norm on the last one)."""
 
@@ -117,10 +93,13 @@ class ODEStack(MegatronModule):
             ODELayer(config, block_spec, self.layer_offset + i + 1, self.architecture)
             for i in range(num_layers)
         )
-        self.shared = None
-        if self.architecture.pcformer_stages:
-            self.shared = PCformerShared(self.architecture.pcformer_stages, config.hidden_size,
-                                         config.history_norm_eps, config.params_dtype)
+        self.shared = None  # the architecture's model-wide parameters (PCformer's alpha, norms)
+        if self.architecture.shared_parameters is not None:
+            self.shared = build_module(self.architecture.shared_parameters.spec(), config=config)
+            # Every pipeline stage holds a copy: their gradients are summed over the pipeline
+            # group (``pipeline_shared`` marks them for ``finalize_model_grads``).
+            for p in self.shared.parameters():
+                p.pipeline_shared = True
         self.final_norm = None
         if post_process:
             self.final_norm = build_module(

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from megatron_iiet.errors import OperatorError
+
 LATEST = "latest"
 META = "meta.json"
 PARTIAL_SUFFIX = ".partial"
@@ -23,7 +25,7 @@ MANIFEST_KEY = "files"
 _ITER = re.compile(r"iter_(\d{7})")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(OperatorError, ValueError):
     pass
 
 
@@ -82,17 +84,40 @@ def defect(path: Path) -> Optional[str]:
     return None
 
 
+def checkpoint_name_in(raw: bytes) -> Optional[str]:
+    """The checkpoint name the bytes of a `latest` file hold (one bare iter_* name), else None."""
+    try:
+        name = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        return None
+    return name if _ITER.fullmatch(name) else None
+
+
+def describe_contents(raw: bytes, limit: int = 40) -> str:
+    """A small file's contents for a one-line message: the text quoted (control characters
+    escaped, cut at `limit`), "an empty file", or "N bytes of binary data"."""
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return f"{len(raw)} bytes of binary data"
+    if not text:
+        return "an empty file"
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")
+
+
 def read_latest(root: Path) -> tuple[Optional[str], Optional[str]]:
     """(name in `latest`, problem): the name when the pointer reads as a checkpoint name."""
     pointer = Path(root) / LATEST
     if not pointer.exists():
         return None, f"{pointer}: missing"
     try:
-        name = pointer.read_bytes().decode("ascii").strip()
+        raw = pointer.read_bytes()
+        raw.decode("utf-8")  # binary data is not a name gone wrong: the file is unreadable
     except (OSError, UnicodeDecodeError):
         return None, f"{pointer}: unreadable (not a checkpoint name)"
-    if _ITER.fullmatch(name) is None:
-        return None, f"{pointer}: holds {name[:40]!r}, not a checkpoint name"
+    name = checkpoint_name_in(raw)
+    if name is None:
+        return None, f"{pointer}: not a checkpoint name (found {describe_contents(raw)})"
     return name, None
 
 

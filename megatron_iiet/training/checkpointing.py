@@ -1,23 +1,18 @@
-"""Checkpoints: megatron-core dist_checkpointing, written atomically, resumable bit for bit.
+"""Checkpoints: one directory per save, written atomically, resumable bit for bit; which engine
+wrote it does not matter here (each engine writes and reads its own state: engines.py).
 
 Layout of a checkpoint root::
 
     latest                  text: the name of the newest complete checkpoint (updated last)
     iter_0000100/           one complete checkpoint
-        meta.json           step, consumed samples, scheduler, config, architecture, tokenizer
-        (dist_checkpointing files: model, optimizer of the megatron engine)
-        rng/rank{r}.pt      every rank's RNG streams (torch, megatron's tracker, CUDA)
-        deepspeed/          DeepSpeed engine state (ZeRO partitions), deepspeed engine only
+        meta.json           step, consumed samples, scheduler, engine, layout, config,
+                            architecture, tokenizer, and the manifest (every file, its size)
+        (the engine's files: dist_checkpointing tensors, rng/rank{r}.pt, deepspeed/ ...)
     iter_0000200.partial/   a save in progress (or interrupted): never read, removed on start
 
-`meta.json` is written last inside the directory and lists every file with its size (the
-manifest), so a resume can tell a complete checkpoint from a truncated one
-(`checkpoint_index.py`) and falls back to the newest complete one. Retention never deletes the
-checkpoint just saved, nor any newer one.
-
-Model and optimizer tensors are keyed by global names, so a checkpoint written with one TP/PP
-layout loads into another (reshard). RNG streams belong to a layout: after a reshard they are
-re-seeded deterministically from (seed, step) instead.
+`meta.json` is written last inside the directory, so a resume can tell a complete checkpoint
+from a truncated one (`checkpoint_index.py`) and falls back to the newest complete one.
+Retention never deletes the checkpoint just saved, nor any newer one.
 """
 
 from __future__ import annotations
@@ -26,16 +21,12 @@ import functools
 import json
 import os
 import pickle
-import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
-import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.core import CheckpointingException
 
 from megatron_iiet.distributed import barrier, on_rank0
@@ -47,10 +38,12 @@ from megatron_iiet.training.checkpoint_index import (  # noqa: F401  (re-exporte
 
 def architecture_signature(model_config) -> dict:
     """What must match for weights to mean the same thing."""
+    from megatron_iiet.model.architectures import get_architecture
+
     c = model_config
     return {
         "architecture": c.architecture,
-        "formulation": c.formulation if c.architecture == "iiet" else None,
+        "formulation": get_architecture(c.architecture, c.formulation).formulation,
         "num_layers": c.num_layers,
         "hidden_size": c.hidden_size,
         "num_attention_heads": c.num_attention_heads,
@@ -58,14 +51,6 @@ def architecture_signature(model_config) -> dict:
         "ffn_hidden_size": c.ffn_hidden_size,
         "vocab_size": c.vocab_size,
         "share_embeddings_and_output_weights": c.share_embeddings_and_output_weights,
-    }
-
-
-def layout() -> dict:
-    return {
-        "tensor": parallel_state.get_tensor_model_parallel_world_size(),
-        "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
-        "data": parallel_state.get_data_parallel_world_size(),
     }
 
 
@@ -88,27 +73,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def rng_state() -> dict:
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 @dataclass
@@ -144,15 +108,23 @@ class CheckpointManager:
 
     # ---- saving ----------------------------------------------------------------------------
     def save(self, engine, state: TrainingState, meta_extra: dict) -> Path:
-        """Write checkpoint ``state.step``; it is committed (meta, rename, `latest`, retention)
-        at once, or with ``async_save`` when the background write has finished."""
-        rng = rng_state()  # before anything below could draw from a generator
+        """Write checkpoint ``state.step`` with ``engine.save`` and ``engine.state_meta()``;
+        ``meta_extra`` (config, architecture signature, tokenizer) goes into its meta.json. It is
+        committed (meta, rename, `latest`, retention) at once, or with ``async_save`` when the
+        background write has finished."""
         name = checkpoint_name(state.step)
         final = self.root / name
         partial = self.root / (name + PARTIAL_SUFFIX)
         self.finalize_pending(blocking=True)
         try:
-            meta, request = self._write(engine, state, meta_extra, rng, partial)
+            if _rank() == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+                partial.mkdir(parents=True)
+            barrier()
+            request = engine.save(partial, self.async_save)
+            meta = {**meta_extra, **engine.state_meta(), "step": state.step,
+                    "consumed_samples": state.consumed_samples,
+                    "skipped_steps": state.skipped_steps}
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as err:  # torch.distributed.checkpoint's CheckpointException is one
@@ -169,35 +141,6 @@ class CheckpointManager:
             self._async_queue.schedule_async_request(request)
             self._pending = partial
         return final
-
-    def _write(self, engine, state: TrainingState, meta_extra: dict, rng: dict, partial: Path):
-        if _rank() == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-        barrier()
-        model = engine.module
-        with engine.full_parameters():
-            sharded = {"model": model.sharded_state_dict()}
-            if engine.name == "megatron":
-                sharded["optimizer"] = engine.optimizer.sharded_state_dict(sharded["model"])
-            request = dist_checkpointing.save(sharded, str(partial),
-                                              async_sharded_save=self.async_save)
-            (partial / "rng").mkdir(exist_ok=True)
-            torch.save(rng, partial / "rng" / f"rank{_rank()}.pt")
-            if engine.name == "deepspeed":
-                engine.model.save_checkpoint(str(partial / "deepspeed"), tag="state",
-                                             save_latest=False)
-        meta = {
-            **meta_extra,
-            "step": state.step,
-            "consumed_samples": state.consumed_samples,
-            "skipped_steps": state.skipped_steps,
-            "scheduler": engine.scheduler.state_dict(),
-            "architecture": architecture_signature(model.config),
-            "layout": layout(),
-            "engine": engine.name,
-        }
-        return meta, request
 
     def _commit(self, meta: dict, partial: Path, final: Path) -> None:
         barrier()  # every rank has written its files
@@ -268,7 +211,9 @@ class CheckpointManager:
 def check_compatible(meta: dict, model_config, tokenizer_fingerprint: Optional[str],
                      path: Path, engine: str, model_only: bool = False) -> None:
     """Refuse checkpoints of another architecture, tokenizer or engine, naming the difference
-    and, where there is one, the way to continue."""
+    and, where there is one, the way to continue. Runs before the engine is built."""
+    from megatron_iiet.training.engines import ENGINES, layout
+
     mine = architecture_signature(model_config)
     theirs = meta.get("architecture", {})
     diffs = [f"{k}: checkpoint {theirs.get(k)!r} vs config {v!r}"
@@ -289,64 +234,25 @@ def check_compatible(meta: dict, model_config, tokenizer_fingerprint: Optional[s
             f"parallel.engine={engine}; their optimizer states are not interchangeable. Keep "
             f"parallel.engine={saved_engine} to resume, or set checkpoint.load_model_only=true "
             "to start from its weights with a fresh optimizer and schedule (step 0)")
-    if engine == "deepspeed" and meta.get("layout") != layout():
+    if ENGINES[engine].resume_needs_same_layout and meta.get("layout") != layout():
         raise CheckpointError(
-            f"{path}: DeepSpeed state was saved with layout {meta.get('layout')}; resuming it "
+            f"{path}: {engine} state was saved with layout {meta.get('layout')}; resuming it "
             f"needs the same layout, and this run has {layout()} (or set "
             "checkpoint.load_model_only=true for its weights only)")
 
 
 def load(engine, path: Path, seed: int, model_only: bool = False) -> TrainingState:
-    """Restore model, optimizer, scheduler and RNG from ``path`` into ``engine`` (checked
-    with ``check_compatible`` first); ``model_only``: the weights alone."""
+    """Restore ``engine`` from the checkpoint at ``path`` (checked with ``check_compatible``
+    first); ``model_only`` (or a model-only checkpoint): the weights alone, at step 0."""
     meta = read_meta(path)
     if model_only or meta.get("model_only"):
-        return _load_model_only(engine, path, seed)
+        engine.load_weights(path, seed)
+        return TrainingState()
     try:
-        if engine.name == "deepspeed":
-            # module and ZeRO-partitioned optimizer state, in DeepSpeed's own format
-            engine.model.load_checkpoint(str(path / "deepspeed"), tag="state",
-                                         load_module_strict=True, load_optimizer_states=True,
-                                         load_lr_scheduler_states=False)
-        else:
-            model_sd = engine.module.sharded_state_dict()
-            loaded = dist_checkpointing.load(
-                {"model": model_sd,
-                 "optimizer": engine.optimizer.sharded_state_dict(model_sd, is_loading=True)},
-                str(path))
-            engine.module.load_state_dict(loaded["model"])
-            engine.optimizer.load_state_dict(loaded["optimizer"])
-        engine.scheduler.load_state_dict(meta["scheduler"])
-        rng_file = path / "rng" / f"rank{_rank()}.pt"
-        rng = torch.load(rng_file, weights_only=False) if (
-            meta["layout"] == layout() and rng_file.is_file()) else None
+        engine.load(path, meta, seed)
     except (OSError, EOFError, RuntimeError, pickle.UnpicklingError, CheckpointingException) as err:
         # The manifest check passed, so the bytes changed in place: unreadable, not a bug here.
         raise CheckpointError(
             f"{path}: cannot be read ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
             "set checkpoint.load to an earlier iter_* directory") from err
-    if rng is not None:
-        set_rng_state(rng)
-    else:
-        from megatron_iiet.distributed import seed_everything
-
-        seed_everything(seed + meta["step"])
     return TrainingState(meta["step"], meta["consumed_samples"], meta.get("skipped_steps", 0))
-
-
-def _load_model_only(engine, path: Path, seed: int) -> TrainingState:
-    """Weights only (e.g. converted from HF by tools/convert_checkpoint.py): the optimizer and
-    schedule start fresh, at step 0."""
-    from megatron_iiet.distributed import seed_everything
-
-    with engine.full_parameters(modify=True):
-        loaded = dist_checkpointing.load({"model": engine.module.sharded_state_dict()}, str(path))
-        engine.module.load_state_dict(loaded["model"])
-    # Optimizers holding fp32 master copies (bf16/fp16, ZeRO partitions) built them from the
-    # initial weights: refresh them from the loaded ones.
-    if engine.name == "megatron":
-        engine.optimizer.reload_model_params()
-    elif hasattr(engine.model.optimizer, "refresh_fp32_params"):
-        engine.model.optimizer.refresh_fp32_params()
-    seed_everything(seed)
-    return TrainingState()

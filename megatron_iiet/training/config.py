@@ -19,13 +19,18 @@ import yaml
 
 @dataclass
 class ModelSection:
+    """Fields of the model config (megatron_iiet.model.config.IIETTransformerConfig) a run may
+    set. None (every default here) leaves the preset's value, or the model config's own default:
+    the defaults are written once, there (architecture iiet, formulation history,
+    max_iterations 3, no iteration checkpointing, no dropout, init std 0.02)."""
+
     preset: str = "tiny"
     """tiny | 55m | 340m | 1.3b (spec table); any field below overrides the preset."""
-    architecture: str = "iiet"
-    formulation: str = "history"
+    architecture: Optional[str] = None
+    formulation: Optional[str] = None
     iterations: Optional[list[int]] = None
-    max_iterations: int = 3
-    iteration_checkpointing: str = "none"
+    max_iterations: Optional[int] = None
+    iteration_checkpointing: Optional[str] = None
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
@@ -35,9 +40,9 @@ class ModelSection:
     num_query_groups: Optional[int] = None
     ffn_hidden_size: Optional[int] = None
     share_embeddings_and_output_weights: Optional[bool] = None
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    init_method_std: float = 0.02
+    hidden_dropout: Optional[float] = None
+    attention_dropout: Optional[float] = None
+    init_method_std: Optional[float] = None
 
 
 @dataclass
@@ -253,6 +258,47 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     return cfg
 
 
+def padded_vocab_size(vocab_size: int, multiple: int = 128) -> int:
+    # A multiple of 128 whatever the TP size, so every layout shares one embedding shape.
+    return -(-vocab_size // multiple) * multiple
+
+
+def build_model_config(cfg: TrainConfig, vocab_size: int):
+    """The model config a training config describes, for a tokenizer of ``vocab_size`` pieces
+    (padded with ``padded_vocab_size`` by the caller)."""
+    import torch
+
+    from megatron_iiet.model.config import preset
+
+    m, par = cfg.model, cfg.parallel
+    overrides = {k: v for k, v in dataclasses.asdict(m).items() if k != "preset" and v is not None}
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[par.precision]
+    return preset(
+        m.preset,
+        **overrides,
+        vocab_size=vocab_size,
+        max_sequence_length=cfg.data.seq_length,
+        tensor_model_parallel_size=par.tensor,
+        pipeline_model_parallel_size=par.pipeline,
+        params_dtype=dtype,
+        bf16=par.precision == "bf16",
+        fp16=par.precision == "fp16",
+    )
+
+
+def _check_model(cfg: TrainConfig) -> None:
+    """Build the model config once with a stand-in vocabulary (the tokenizer is read later), so
+    that a bad model setting fails at load time with its dotted name."""
+    try:
+        build_model_config(cfg, padded_vocab_size(1))
+    except (ValueError, AssertionError) as err:
+        text = str(err) or type(err).__name__
+        known = {f.name for f in dataclasses.fields(ModelSection)}
+        field_name = text.split(":", 1)[0].strip()
+        raise ValueError(f"model.{text}" if field_name in known or field_name == "preset"
+                         else f"model: {text}") from None
+
+
 def validate(cfg: TrainConfig, world_size: Optional[int] = None) -> None:
     """Checks that need several fields at once; world_size adds the layout checks."""
     par = cfg.parallel
@@ -260,20 +306,18 @@ def validate(cfg: TrainConfig, world_size: Optional[int] = None) -> None:
         raise ValueError(f"parallel.engine: unknown {par.engine!r} (megatron | deepspeed)")
     if par.precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"parallel.precision: unknown {par.precision!r} (fp32 | bf16 | fp16)")
+    from megatron_iiet.platform import gpu_only_refusal
+
     if par.engine == "megatron" and par.precision != "fp32":
-        from megatron_iiet.platform import cuda_available
-
-        if not cuda_available():
-            raise ValueError(
-                f"parallel.precision: {par.precision} with the megatron engine needs CUDA "
-                "(its mixed-precision optimizer is GPU-only); use fp32 or parallel.engine=deepspeed")
+        refusal = gpu_only_refusal("mixed_precision_optimizer")
+        if refusal:
+            raise ValueError(f"parallel.precision: {par.precision} with the megatron engine "
+                             f"{refusal}")
     if par.use_distributed_optimizer and par.engine == "megatron":
-        from megatron_iiet.platform import cuda_available
-
-        if not cuda_available():
-            raise ValueError(
-                "parallel.use_distributed_optimizer: megatron's distributed optimizer needs CUDA; "
-                "on CPU shard optimizer state with parallel.engine=deepspeed (ZeRO)")
+        refusal = gpu_only_refusal("distributed_optimizer")
+        if refusal:
+            raise ValueError(f"parallel.use_distributed_optimizer: megatron's distributed "
+                             f"optimizer {refusal}")
     if par.engine == "deepspeed" and par.pipeline != 1:
         raise ValueError("parallel.pipeline: the deepspeed engine runs with pipeline=1")
     if par.zero_stage not in (0, 1, 2, 3):
@@ -290,6 +334,7 @@ def validate(cfg: TrainConfig, world_size: Optional[int] = None) -> None:
                          f"{cfg.checkpoint.keep_last}")
     if cfg.schedule.warmup_steps >= cfg.schedule.train_steps:
         raise ValueError("schedule.warmup_steps: must be shorter than schedule.train_steps")
+    _check_model(cfg)
     if world_size is not None:
         mp = par.tensor * par.pipeline
         if world_size % mp:

@@ -8,22 +8,33 @@ recompute is ours (per pass / per layer), configured on the model.
 
 Both use the same parameter groups (no weight decay on vectors), the same AdamW arithmetic and
 megatron's OptimizerParamScheduler, so they follow the same trajectory.
+
+Each engine owns its state: ``save(directory)`` writes weights, optimizer and every rank's RNG
+streams, ``state_meta()`` what goes into the checkpoint's metadata (scheduler, engine, layout),
+``load(directory, meta)`` restores all of it and ``load_weights(directory)`` the weights alone.
+Weights are always megatron-core dist_checkpointing tensors under global names, so any engine
+and layout can read another's weights; optimizer state is each engine's own format.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_iiet.model.pipeline import allreduce_cross_stage_grads, forward_backward
+from megatron_iiet import platform
 from megatron_iiet.training.config import TrainConfig
+from megatron_iiet.training.step import (
+    LANGUAGE_MODEL, Objective, allreduce_cross_stage_grads, forward_backward)
 
 
 @dataclass
@@ -32,15 +43,54 @@ class StepResult:
     grad_norm: Optional[float]
     skipped: bool  # non-finite loss: no update was applied
     lr: float
+    terms: dict[str, float] = field(default_factory=dict)  # the objective's terms, when several
 
 
-def _global_mean_loss(losses: list[float]) -> float:
-    """Mean micro-batch loss over the data-parallel group, known to every rank."""
-    reporting = parallel_state.is_pipeline_last_stage() and losses
-    t = torch.tensor([sum(losses) / len(losses) if reporting else 0.0, 1.0 if reporting else 0.0],
-                     dtype=torch.float64)
+def _global_means(metrics: list[dict], names: list[str]) -> dict[str, float]:
+    """Mean over micro-batches and the data-parallel group of each metric, known to every rank
+    (only the last pipeline stage has them)."""
+    reporting = parallel_state.is_pipeline_last_stage() and metrics
+    sums = [sum(m[n] for m in metrics) / len(metrics) if reporting else 0.0 for n in names]
+    t = torch.tensor([*sums, 1.0 if reporting else 0.0], dtype=torch.float64)
     dist.all_reduce(t)
-    return (t[0] / t[1]).item()
+    return {n: (t[i] / t[-1]).item() for i, n in enumerate(names)}
+
+
+def layout() -> dict:
+    return {
+        "tensor": parallel_state.get_tensor_model_parallel_world_size(),
+        "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
+        "data": parallel_state.get_data_parallel_world_size(),
+    }
+
+
+def rng_state() -> dict:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if platform.cuda_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and platform.cuda_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _rng_file(directory: Path) -> Path:
+    return Path(directory) / "rng" / f"rank{_rank()}.pt"
 
 
 def build_scheduler(cfg: TrainConfig, optimizer) -> OptimizerParamScheduler:
@@ -95,16 +145,92 @@ def optimizer_state_bytes(optimizer) -> int:
     return total
 
 
-class MegatronEngine:
+class Engine:
+    """What both engines share: the schedule, the objective, the RNG and the state protocol."""
+
+    name: str
+    resume_needs_same_layout = False  # optimizer state partitioned by the layout (ZeRO)
+
+    def __init__(self, cfg: TrainConfig, model: torch.nn.Module,
+                 objective: Optional[Objective] = None):
+        self.module = model
+        self.objective = objective or LANGUAGE_MODEL
+
+    # ---- state: subclasses write / read their tensors -------------------------------------
+    def _save_tensors(self, directory: Path, async_save: bool):
+        raise NotImplementedError
+
+    def _load_tensors(self, directory: Path) -> None:
+        raise NotImplementedError
+
+    def _refresh_master_params(self) -> None:
+        """Optimizers holding fp32 master copies (bf16/fp16, ZeRO partitions) built them from
+        the initial weights: take them again from the loaded ones."""
+        raise NotImplementedError
+
+    def save(self, directory: Path, async_save: bool = False):
+        """Write weights, optimizer and this rank's RNG streams into ``directory``; returns
+        megatron's async request when ``async_save`` (the tensors are still being written)."""
+        rng = rng_state()  # before anything below could draw from a generator
+        request = self._save_tensors(Path(directory), async_save)
+        _rng_file(directory).parent.mkdir(exist_ok=True)
+        torch.save(rng, _rng_file(directory))
+        return request
+
+    def state_meta(self) -> dict:
+        return {"scheduler": self.scheduler.state_dict(), "layout": layout(), "engine": self.name}
+
+    def load(self, directory: Path, meta: dict, seed: int) -> None:
+        """Everything ``save`` wrote and ``state_meta`` recorded. RNG streams belong to a
+        layout: after a reshard they are re-seeded from (seed, step) instead."""
+        self._load_tensors(Path(directory))
+        self.scheduler.load_state_dict(meta["scheduler"])
+        rng_file = _rng_file(directory)
+        if meta["layout"] == layout() and rng_file.is_file():
+            set_rng_state(torch.load(rng_file, weights_only=False))
+        else:
+            from megatron_iiet.distributed import seed_everything
+
+            seed_everything(seed + meta["step"])
+
+    def load_weights(self, directory: Path, seed: int) -> None:
+        """The weights alone (any engine's checkpoint, or a converted one): optimizer and
+        schedule stay fresh."""
+        from megatron_iiet.distributed import seed_everything
+
+        with self.full_parameters(modify=True):
+            loaded = dist_checkpointing.load({"model": self.module.sharded_state_dict()},
+                                             str(directory))
+            self.module.load_state_dict(loaded["model"])
+        self._refresh_master_params()
+        seed_everything(seed)
+
+    def full_parameters(self, modify: bool = False):
+        """Parameters are whole on their rank unless an engine partitions them."""
+        return contextlib.nullcontext()
+
+    def parameters_digest(self) -> str:
+        """sha256 of the full (gathered) parameters: equal digests, bitwise-equal models."""
+        from megatron_iiet.model.sharding import parameters_sha256
+
+        with self.full_parameters():
+            return parameters_sha256(self.module)
+
+    def train(self, mode: bool = True) -> None:
+        self.model.train(mode)
+
+
+class MegatronEngine(Engine):
     name = "megatron"
 
-    def __init__(self, cfg: TrainConfig, model: torch.nn.Module):
+    def __init__(self, cfg: TrainConfig, model: torch.nn.Module,
+                 objective: Optional[Objective] = None):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        super().__init__(cfg, model, objective)
         par, opt = cfg.parallel, cfg.optimizer
-        self.module = model
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
@@ -131,30 +257,46 @@ class MegatronEngine:
         model.config.no_sync_func = self.model.no_sync
         model.config.finalize_model_grads_func = finalize
 
+    def _means(self, metrics: list[dict]) -> tuple[float, dict]:
+        means = _global_means(metrics, self.objective.metric_names)
+        return means.pop("loss"), means
+
     def train_step(self, micro_batches: list[dict]) -> StepResult:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        losses = forward_backward(self.model, micro_batches)
-        loss = _global_mean_loss(losses)
+        loss, terms = self._means(forward_backward(self.model, micro_batches,
+                                                   objective=self.objective))
         if not math.isfinite(loss):
-            return StepResult(loss, None, True, _current_lr(self.optimizer))
+            return StepResult(loss, None, True, _current_lr(self.optimizer), terms)
         lr = _advance_schedule(self.scheduler, self.optimizer)
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:  # fp16 overflow: no update, so the schedule does not advance either
             self.scheduler.step(increment=-1)
-            return StepResult(loss, None, True, lr)
-        return StepResult(loss, grad_norm, False, lr)
+            return StepResult(loss, None, True, lr, terms)
+        return StepResult(loss, grad_norm, False, lr, terms)
 
     @torch.no_grad()
     def eval_step(self, micro_batches: list[dict]) -> float:
-        return _global_mean_loss(forward_backward(self.model, micro_batches, forward_only=True))
+        return self._means(forward_backward(self.model, micro_batches, forward_only=True,
+                                            objective=self.objective))[0]
 
-    def full_parameters(self, modify: bool = False):
-        """Parameters are always whole on their rank here."""
-        return contextlib.nullcontext()
+    # ---- state -------------------------------------------------------------------------------
+    def _sharded(self, loading: bool = False) -> dict:
+        model_sd = self.module.sharded_state_dict()
+        return {"model": model_sd,
+                "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=loading)}
 
-    def train(self, mode: bool = True) -> None:
-        self.model.train(mode)
+    def _save_tensors(self, directory: Path, async_save: bool):
+        return dist_checkpointing.save(self._sharded(), str(directory),
+                                       async_sharded_save=async_save)
+
+    def _load_tensors(self, directory: Path) -> None:
+        loaded = dist_checkpointing.load(self._sharded(loading=True), str(directory))
+        self.module.load_state_dict(loaded["model"])
+        self.optimizer.load_state_dict(loaded["optimizer"])
+
+    def _refresh_master_params(self) -> None:
+        self.optimizer.reload_model_params()
 
 
 class _MegatronMPU:
@@ -185,17 +327,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 def init_deepspeed_distributed() -> None:
     """DeepSpeed's comm layer over the already-initialised torch process group."""
-    import sys
-
     import deepspeed
-    import deepspeed.comm.torch  # noqa: F401  (deepspeed.comm's `torch` attribute is torch itself)
 
-    from megatron_iiet.platform import cuda_available
-
-    if not cuda_available():
-        # Its CPU backend JIT-compiles a shared-memory all-reduce (~50 s) used only by inference
-        # kernels; training collectives go through torch.distributed (gloo) either way.
-        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    platform.install_deepspeed_cpu_compat()
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
 
 
@@ -218,14 +352,16 @@ def deepspeed_config(cfg: TrainConfig, dp_size: int) -> dict:
     }
 
 
-class DeepSpeedEngine:
+class DeepSpeedEngine(Engine):
     name = "deepspeed"
+    resume_needs_same_layout = True
 
-    def __init__(self, cfg: TrainConfig, model: torch.nn.Module):
+    def __init__(self, cfg: TrainConfig, model: torch.nn.Module,
+                 objective: Optional[Objective] = None):
         import deepspeed
 
+        super().__init__(cfg, model, objective)
         opt = cfg.optimizer
-        self.module = model
         dp = parallel_state.get_data_parallel_world_size()
         torch_optimizer = torch.optim.AdamW(
             param_groups(model, opt.weight_decay), lr=opt.lr, betas=(opt.beta1, opt.beta2),
@@ -235,35 +371,57 @@ class DeepSpeedEngine:
             mpu=_MegatronMPU(), dist_init_required=False)
         self.scheduler = build_scheduler(cfg, self.optimizer)
 
-    def _loss(self, batch: dict) -> torch.Tensor:
-        per_token = self.model(batch["input_ids"], labels=batch["labels"])
-        mask = batch["loss_mask"].float()
-        return (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
+    def _loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        loss, metrics = self.objective.loss(batch, self.objective.forward(self.model, batch))
+        return loss, {k: float(v) for k, v in metrics.items()}
+
+    def _means(self, metrics: list[dict]) -> tuple[float, dict]:
+        means = _global_means(metrics, self.objective.metric_names)
+        return means.pop("loss"), means
 
     def train_step(self, micro_batches: list[dict]) -> StepResult:
-        losses = []
+        metrics = []
         for batch in micro_batches:
-            loss = self._loss(batch)
-            losses.append(loss.item())
-            if not all(map(math.isfinite, losses)):
+            loss, values = self._loss(batch)
+            metrics.append(values)
+            if not all(math.isfinite(m["loss"]) for m in metrics):
                 loss = loss * 0.0  # keep DeepSpeed's accumulation bookkeeping; update skipped below
             self.model.backward(loss)
-            if len(losses) < len(micro_batches):
+            if len(metrics) < len(micro_batches):
                 self.model.step()
-        mean = _global_mean_loss(losses)
+        mean, terms = self._means(metrics)
         if not math.isfinite(mean):
             # boundary without an optimizer step: drop the accumulated (zeroed) gradients
             self.model.zero_grad()
             self.model.micro_steps += 1
-            return StepResult(mean, None, True, _current_lr(self.optimizer))
+            return StepResult(mean, None, True, _current_lr(self.optimizer), terms)
         lr = _advance_schedule(self.scheduler, self.optimizer)
         self.model.step()
         norm = self.model.get_global_grad_norm()
-        return StepResult(mean, None if norm is None else float(norm), False, lr)
+        return StepResult(mean, None if norm is None else float(norm), False, lr, terms)
 
     @torch.no_grad()
     def eval_step(self, micro_batches: list[dict]) -> float:
-        return _global_mean_loss([self._loss(b).item() for b in micro_batches])
+        return self._means([self._loss(b)[1] for b in micro_batches])[0]
+
+    # ---- state -------------------------------------------------------------------------------
+    def _save_tensors(self, directory: Path, async_save: bool):
+        # weights in the common format (any engine can take them), then ZeRO's own state
+        with self.full_parameters():
+            request = dist_checkpointing.save({"model": self.module.sharded_state_dict()},
+                                              str(directory), async_sharded_save=async_save)
+        self.model.save_checkpoint(str(directory / "deepspeed"), tag="state", save_latest=False)
+        return request
+
+    def _load_tensors(self, directory: Path) -> None:
+        # module and ZeRO-partitioned optimizer state, in DeepSpeed's own format
+        self.model.load_checkpoint(str(directory / "deepspeed"), tag="state",
+                                   load_module_strict=True, load_optimizer_states=True,
+                                   load_lr_scheduler_states=False)
+
+    def _refresh_master_params(self) -> None:
+        if hasattr(self.model.optimizer, "refresh_fp32_params"):
+            self.model.optimizer.refresh_fp32_params()
 
     def full_parameters(self, modify: bool = False):
         """ZeRO-3 partitions parameters over DP: gather them (and, when ``modify``, scatter
@@ -275,9 +433,10 @@ class DeepSpeedEngine:
         return deepspeed.zero.GatheredParameters(list(self.module.parameters()),
                                                  modifier_rank=0 if modify else None)
 
-    def train(self, mode: bool = True) -> None:
-        self.model.train(mode)
+
+ENGINES: dict[str, type[Engine]] = {e.name: e for e in (MegatronEngine, DeepSpeedEngine)}
 
 
-def build_engine(cfg: TrainConfig, model: torch.nn.Module):
-    return (MegatronEngine if cfg.parallel.engine == "megatron" else DeepSpeedEngine)(cfg, model)
+def build_engine(cfg: TrainConfig, model: torch.nn.Module,
+                 objective: Optional[Objective] = None) -> Engine:
+    return ENGINES[cfg.parallel.engine](cfg, model, objective)

@@ -15,12 +15,13 @@ from typing import Optional
 
 import torch
 
+from megatron_iiet import platform
 from megatron_iiet.storage import storage_error
 
 
 def measured_peak_flops(dtype: torch.dtype = torch.float32, n: int = 2048) -> float:
     """This device's achievable dense GEMM rate: the denominator of MFU."""
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = platform.compute_device()
     # values do not matter; a private generator keeps the training RNG streams untouched
     g = torch.Generator().manual_seed(0)
     a = torch.randn(n, n, generator=g, dtype=dtype).to(device)
@@ -28,18 +29,16 @@ def measured_peak_flops(dtype: torch.dtype = torch.float32, n: int = 2048) -> fl
     a @ b
     best = math.inf
     for _ in range(3):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        platform.synchronize()
         t0 = time.perf_counter()
         a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        platform.synchronize()
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best
 
 
 def memory_mb() -> dict:
-    if torch.cuda.is_available():
+    if platform.cuda_available():
         return {"mem_allocated_mb": torch.cuda.memory_allocated() / 2**20,
                 "mem_peak_mb": torch.cuda.max_memory_allocated() / 2**20}
     return {"mem_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -49,13 +48,14 @@ class MetricsLogger:
     def __init__(self, log_dir: str, enabled: bool, total_steps: int, start_step: int,
                  tensorboard: bool = True, progress_bar: bool = True):
         self.enabled = enabled
+        self.root = Path(log_dir)
         self.total_steps = total_steps
         self._bar = None
         self._tb = None
         self._jsonl = None
         if not enabled:
             return
-        root = self.root = Path(log_dir)
+        root = self.root
         self.jsonl_path = root / "metrics.jsonl"
         with self._storage_faults():
             root.mkdir(parents=True, exist_ok=True)

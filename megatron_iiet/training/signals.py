@@ -47,6 +47,18 @@ def protect_spawned_helper(module_name: str) -> None:
         ignore_preemption_signals()
 
 
+def _end_daemonic_helpers() -> None:
+    """Daemonic children (data-loader workers) are terminated at interpreter exit with
+    SIGTERM, which ours ignore: end any still alive here with SIGKILL, which is what their
+    daemonic status promises (they die with their parent), so the exit cannot hang."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+            child.join(5)
+
+
 def launcher_pid() -> Optional[int]:
     """The torchrun agent that started this rank (its parent), or None outside torchrun.
 
@@ -78,26 +90,31 @@ class PreemptionHandler:
         _active = False
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        _end_daemonic_helpers()
 
     def _on_signal(self, signum, frame):
         self.received = signum
 
-    def _local_reason(self) -> Optional[str]:
-        if self.received:
-            return f"{signal.Signals(self.received).name} received"
+    def _local_reason(self) -> tuple[int, Optional[str]]:
+        """(code, reason): 0 nothing, 1 a signal, 2 the launcher is gone."""
         if self._launcher is not None and os.getppid() != self._launcher:
-            return f"the launcher (torchrun, pid {self._launcher}) is gone"
-        return None
+            return 2, f"the launcher (torchrun, pid {self._launcher}) is gone"
+        if self.received:
+            return 1, f"{signal.Signals(self.received).name} received"
+        return 0, None
 
     def stop_requested(self) -> bool:
         """True on every rank if any rank was signalled or lost its launcher."""
         import torch
         import torch.distributed as dist
 
-        local = self._local_reason()
-        flag = torch.tensor([0 if local is None else 1], dtype=torch.int32)
+        code, local = self._local_reason()
+        flag = torch.tensor([code], dtype=torch.int32)
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and self.reason is None:
-            self.reason = local or "another rank was asked to stop"
-        return bool(flag.item())
+        agreed = int(flag.item())
+        if agreed and self.reason is None:
+            self.reason = local if code == agreed else (
+                "the launcher is gone (seen by another rank)" if agreed == 2
+                else "a preemption signal reached another rank")
+        return bool(agreed)

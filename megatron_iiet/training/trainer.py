@@ -1,18 +1,27 @@
-"""The training loop: one step is "next global batch -> engine.train_step -> bookkeeping"."""
+"""The training loop and its builder.
+
+``Trainer.fit`` is the whole loop: next global batch -> ``engine.train_step`` -> callbacks.
+Everything else a run does (metrics, validation, checkpoints, preemption, non-finite steps) is a
+callback (callbacks.py); the loss comes from the engine's ``Objective`` (step.py). ``train(cfg)``
+builds all of it from a config: process groups, run locks, data, model, engine, resume point.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
-import torch
 import torch.distributed as dist
 
-from megatron_iiet.training.config import TrainConfig, validate
+from megatron_iiet.errors import BadInput, OperatorError
+from megatron_iiet.training.callbacks import (  # noqa: F401  (TooManySkippedSteps re-exported)
+    Callback, CheckpointCallback, ExitIntervalCallback, MetricsCallback, NonFiniteCallback,
+    PreemptionCallback, StepEnd, TooManySkippedSteps, ValidationCallback)
+from megatron_iiet.training.checkpointing import TrainingState
+from megatron_iiet.training.config import (  # noqa: F401  (build_model_config re-exported)
+    TrainConfig, build_model_config, padded_vocab_size, validate)
 
 
 @dataclass
@@ -26,33 +35,99 @@ class TrainSummary:
     preempted: bool
 
 
-class TooManySkippedSteps(RuntimeError):
-    pass
+class Trainer:
+    """Runs ``engine`` from ``state`` to ``train_steps``; ``batches`` (a generator, closed at
+    the end so that data-loader workers exit) yields each step's micro-batches, ``evaluate``
+    returns a validation loss."""
+
+    def __init__(self, engine, state: TrainingState, batches: Iterator[list[dict]],
+                 evaluate: Callable[[], float], reporter, callbacks: list[Callback],
+                 train_steps: int, global_batch_size: int, meta_extra: dict,
+                 checkpoint: Optional[str] = None):
+        self.engine, self.state, self.batches = engine, state, batches
+        self._evaluate, self.reporter, self.callbacks = evaluate, reporter, callbacks
+        self.train_steps, self.global_batch_size = train_steps, global_batch_size
+        self.meta_extra = meta_extra
+        self.last_checkpoint = checkpoint
+        self.last_loss: Optional[float] = None
+        self.valid_loss: Optional[float] = None
+        self.stop_reason: Optional[str] = None
+        self.save_requested = False
+        self.preempted = False
+
+    # ---- what callbacks call --------------------------------------------------------------
+    def request_stop(self, reason: str, save: bool = False, preempted: bool = False) -> None:
+        """Stop after the current step (callbacks later in the list still see it)."""
+        self.stop_reason = self.stop_reason or reason
+        self.save_requested |= save
+        self.preempted |= preempted
+
+    def evaluate(self) -> float:
+        self.engine.train(False)
+        try:
+            return self._evaluate()
+        finally:
+            self.engine.train(True)
+
+    def emit_validation(self, step: int, loss: float) -> None:
+        self.valid_loss = loss
+        for cb in self.callbacks:
+            cb.on_validation(self, step, loss)
+
+    def save(self, manager) -> str:
+        t0 = time.perf_counter()
+        path = str(manager.save(self.engine, self.state, self.meta_extra))
+        seconds = time.perf_counter() - t0
+        self.last_checkpoint = path
+        for cb in self.callbacks:
+            cb.on_save(self, path, seconds)
+        return path
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def fit(self) -> TrainSummary:
+        try:
+            self.engine.train(True)
+            for cb in self.callbacks:
+                cb.on_train_begin(self)
+            while self.state.step < self.train_steps and self.stop_reason is None:
+                micro_batches = next(self.batches)
+                t0 = time.perf_counter()
+                result = self.engine.train_step(micro_batches)
+                event = StepEnd(self.state.step + 1, result, time.perf_counter() - t0)
+                self.state.step += 1
+                self.state.consumed_samples += self.global_batch_size
+                self.state.skipped_steps += int(result.skipped)
+                self.last_loss = result.loss
+                self.save_requested = False
+                for cb in self.callbacks:
+                    cb.on_step_end(self, event)
+            finished = self.state.step >= self.train_steps
+            for cb in reversed(self.callbacks):
+                cb.on_train_end(self, finished)
+            digest = self.engine.parameters_digest()
+            self.reporter.event("end", self.state.step, params_sha256=digest, finished=finished,
+                                preempted=self.preempted)
+        finally:
+            self.batches.close()
+            self.reporter.close()
+        return TrainSummary(self.state.step, digest, self.last_loss, self.valid_loss,
+                            self.last_checkpoint, str(self.reporter.root), self.preempted)
 
 
-def padded_vocab_size(vocab_size: int, multiple: int = 128) -> int:
-    # A multiple of 128 whatever the TP size, so every layout shares one embedding shape.
-    return -(-vocab_size // multiple) * multiple
+class CheckpointRecords(Callback):
+    """A `checkpoint` record (path, seconds, size) per save."""
+
+    def __init__(self, async_save: bool):
+        self.async_save = async_save
+
+    def on_save(self, trainer, path, seconds):
+        size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) if (
+            trainer.reporter.enabled and Path(path).exists()) else None
+        trainer.reporter.event("checkpoint", trainer.state.step, path=path, seconds=seconds,
+                               bytes=size, async_save=self.async_save)
 
 
-def build_model_config(cfg: TrainConfig, vocab_size: int):
-    from megatron_iiet.model.config import preset
-
-    m, par = cfg.model, cfg.parallel
-    overrides = {k: v for k, v in dataclasses.asdict(m).items() if k != "preset" and v is not None}
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[par.precision]
-    return preset(
-        m.preset,
-        **overrides,
-        vocab_size=vocab_size,
-        max_sequence_length=cfg.data.seq_length,
-        tensor_model_parallel_size=par.tensor,
-        pipeline_model_parallel_size=par.pipeline,
-        params_dtype=dtype,
-        bf16=par.precision == "bf16",
-        fp16=par.precision == "fp16",
-    )
-
+# ---- building a run from a config -------------------------------------------------------------
 
 def _lock_run_directories(cfg: TrainConfig, world: int) -> list:
     """Rank 0 takes the run lock of the logging and checkpoint directories (two jobs writing
@@ -101,39 +176,49 @@ def _resume_plan(cfg: TrainConfig, root: Path, say) -> tuple[Optional[Path], lis
     return path, newer.newer
 
 
-def train(cfg: TrainConfig) -> TrainSummary:
+def train(cfg: TrainConfig, objective=None, callbacks: tuple[Callback, ...] = ()) -> TrainSummary:
+    """Train as ``cfg`` says; ``objective`` replaces the language-model loss (step.Objective),
+    ``callbacks`` run after the built-in ones."""
     from megatron_iiet.distributed import initialize, on_rank0
     from megatron_iiet.training.signals import PreemptionHandler
 
     par = cfg.parallel
-    initialize(par.tensor, par.pipeline, seed=cfg.seed)
-    if par.engine == "deepspeed":
-        from megatron_iiet.training.engines import init_deepspeed_distributed
+    try:
+        initialize(par.tensor, par.pipeline, seed=cfg.seed)
+        if par.engine == "deepspeed":
+            from megatron_iiet.training.engines import init_deepspeed_distributed
 
-        init_deepspeed_distributed()
-    validate(cfg, dist.get_world_size())
+            init_deepspeed_distributed()
+        validate(cfg, dist.get_world_size())
+    except ValueError as err:
+        raise err if isinstance(err, OperatorError) else BadInput(str(err)) from err
     # Installed first, so that every helper process started below leaves the signals to us.
     with PreemptionHandler() as preemption:
         locks = on_rank0(lambda: _lock_run_directories(cfg, dist.get_world_size()))
+        locks = locks if dist.get_rank() == 0 else ()  # the others got copies: rank 0 holds them
         try:
-            return _train(cfg, preemption)
+            try:
+                trainer = build_trainer(cfg, preemption, objective, list(callbacks))
+            except ValueError as err:  # found before the first step: the input's fault
+                raise err if isinstance(err, OperatorError) else BadInput(str(err)) from err
+            return trainer.fit()
         finally:
-            for lock in locks or ():
+            for lock in locks:
                 lock.release()
 
 
-def _train(cfg: TrainConfig, preemption) -> TrainSummary:
+def build_trainer(cfg: TrainConfig, preemption, objective=None,
+                  extra_callbacks: Optional[list[Callback]] = None) -> Trainer:
     from megatron.core import parallel_state
 
     from megatron_iiet.distributed import on_rank0
     from megatron_iiet.model.flops import step_flops
-    from megatron_iiet.model.gpt import IIETModel
+    from megatron_iiet.model.gpt import IIETGPTModel
     from megatron_iiet.model.sharding import init_layout_independent
     from megatron_iiet.training import checkpointing as ckpt
     from megatron_iiet.training.data import build_datasets, micro_batch_loader, resolve_sources
-    from megatron_iiet.training.engines import build_engine, optimizer_state_bytes
-    from megatron_iiet.training.metrics import (
-        MetricsLogger, Throughput, measured_peak_flops, memory_mb, optional_float)
+    from megatron_iiet.training.engines import build_engine
+    from megatron_iiet.training.metrics import MetricsLogger, Throughput, measured_peak_flops
 
     par = cfg.parallel
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -157,9 +242,9 @@ def _train(cfg: TrainConfig, preemption) -> TrainSummary:
     manager = ckpt.CheckpointManager(str(root), cfg.checkpoint.keep_last,
                                      cfg.checkpoint.async_save, replaces=overwritten, log=say)
 
-    model = IIETModel(model_config)
+    model = IIETGPTModel(model_config)
     init_layout_independent(model, cfg.seed)
-    engine = build_engine(cfg, model)
+    engine = build_engine(cfg, model, objective)
     state = ckpt.TrainingState()
     load_seconds = None
     if load_path is not None:
@@ -167,108 +252,50 @@ def _train(cfg: TrainConfig, preemption) -> TrainSummary:
         state = ckpt.load(engine, load_path, cfg.seed, model_only)
         load_seconds = time.perf_counter() - t0
 
-    num_micro = par.global_batch_size // (par.micro_batch_size * dp)
-    seq = cfg.data.seq_length
-    flops = step_flops(model_config, par.global_batch_size, seq).model
-    throughput = Throughput(flops, par.global_batch_size * seq,
-                            measured_peak_flops(model_config.params_dtype), world)
-    log = MetricsLogger(cfg.logging.dir, rank == 0, cfg.schedule.train_steps, state.step,
-                        cfg.logging.tensorboard, cfg.logging.progress_bar)
-    manager.log = log.message
+    reporter = MetricsLogger(cfg.logging.dir, rank == 0, cfg.schedule.train_steps, state.step,
+                             cfg.logging.tensorboard, cfg.logging.progress_bar)
+    manager.log = reporter.message
     if load_path is not None:
-        log.message(f"resumed from {load_path} at step {state.step}")
-        log.event("resume", state.step, path=str(load_path), seconds=load_seconds)
-    meta_extra = {"config": cfg.to_dict(), "tokenizer_fingerprint": sources.tokenizer.fingerprint,
-                  "tokenizer": str(sources.tokenizer.path)}
+        reporter.message(f"resumed from {load_path} at step {state.step}")
+        reporter.event("resume", state.step, path=str(load_path), seconds=load_seconds)
 
-    def save():
-        t0 = time.perf_counter()
-        path = manager.save(engine, state, meta_extra)
-        seconds = time.perf_counter() - t0
-        size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) if (
-            rank == 0 and Path(path).exists()) else None
-        log.event("checkpoint", state.step, path=str(path), seconds=seconds, bytes=size,
-                  async_save=cfg.checkpoint.async_save)
-        return path
+    num_micro = par.global_batch_size // (par.micro_batch_size * dp)
+    micro = micro_batch_loader(train_ds, state.consumed_samples, par.micro_batch_size, dp_rank,
+                               dp, cfg.data.num_workers,
+                               total_samples=cfg.schedule.train_steps * par.global_batch_size)
+
+    def batches():
+        try:
+            while True:  # the loop stops at train_steps; the sampler is sized for exactly that
+                yield [next(micro) for _ in range(num_micro)]
+        finally:
+            micro.close()  # releases the loader, whose workers then exit
 
     def evaluate() -> float:
-        engine.train(False)
-        batches = micro_batch_loader(valid_ds, 0, par.micro_batch_size, dp_rank, dp, 0)
-        losses = [engine.eval_step([next(batches) for _ in range(num_micro)])
+        valid = micro_batch_loader(valid_ds, 0, par.micro_batch_size, dp_rank, dp, 0)
+        losses = [engine.eval_step([next(valid) for _ in range(num_micro)])
                   for _ in range(cfg.eval.steps)]
-        engine.train(True)
         return sum(losses) / len(losses)
 
-    batches = micro_batch_loader(train_ds, state.consumed_samples, par.micro_batch_size, dp_rank,
-                                 dp, cfg.data.num_workers,
-                                 total_samples=cfg.schedule.train_steps * par.global_batch_size)
-    last_loss, valid_loss, valid_step, preempted = None, None, None, False
-    saved, saved_step = load_path, (state.step if load_path is not None else None)
-    engine.train(True)
-    first_step = state.step
-    exit_interval = cfg.schedule.exit_interval
-    while state.step < cfg.schedule.train_steps:
-        t0 = time.perf_counter()
-        result = engine.train_step([next(batches) for _ in range(num_micro)])
-        seconds = time.perf_counter() - t0
-        state.step += 1
-        state.consumed_samples += par.global_batch_size
-        last_loss = result.loss
-        if result.skipped:
-            state.skipped_steps += 1
-            log.message(f"step {state.step}: non-finite loss {result.loss}, update skipped "
-                        f"({state.skipped_steps}/{cfg.logging.max_skipped_steps})")
-        if result.skipped or state.step % cfg.logging.log_interval == 0 or state.step == 1:
-            log.log_step(state.step, loss=result.loss, lr=result.lr,
-                         grad_norm=optional_float(result.grad_norm),
-                         skipped_steps=state.skipped_steps, **throughput(seconds),
-                         optimizer_state_mb=optimizer_state_bytes(engine.optimizer) / 2**20,
-                         **memory_mb())
-        if state.skipped_steps > cfg.logging.max_skipped_steps:
-            log.close()
-            raise TooManySkippedSteps(
-                f"{state.skipped_steps} steps with non-finite loss (limit "
-                f"logging.max_skipped_steps={cfg.logging.max_skipped_steps})")
-        if cfg.eval.interval and state.step % cfg.eval.interval == 0:
-            valid_loss, valid_step = evaluate(), state.step
-            log.log_eval(state.step, valid_loss)
-        manager.finalize_pending()
-        preempted = preemption.stop_requested()
-        exiting = bool(exit_interval) and state.step - first_step >= exit_interval
-        interval = cfg.checkpoint.save_interval
-        if preempted or exiting or (interval and state.step % interval == 0):
-            saved, saved_step = save(), state.step
-        if preempted:
-            log.message(f"preemption: {preemption.reason}; stopped after step {state.step}")
-            log.event("preempted", state.step, reason=preemption.reason)
-            break
-        if exiting:
-            log.message(f"schedule.exit_interval: stopped after step {state.step}")
-            break
-    finished = state.step >= cfg.schedule.train_steps
-    if finished:
-        if saved_step != state.step:
-            saved, saved_step = save(), state.step
-        if valid_step != state.step:
-            valid_loss = evaluate()
-            log.log_eval(state.step, valid_loss)
-    manager.close()
-    digest = parameters_sha256(model)
-    log.event("end", state.step, params_sha256=digest, finished=finished, preempted=preempted)
-    log.close()
-    return TrainSummary(state.step, digest, last_loss, valid_loss,
-                        str(saved) if saved else None, cfg.logging.dir, preempted)
-
-
-def parameters_sha256(model) -> str:
-    """A digest of the full (gathered) parameters: equal digests mean bitwise-equal models."""
-    import hashlib
-
-    from megatron_iiet.model.sharding import gather_full
-
-    full = gather_full(model, dict(model.named_parameters()))
-    h = hashlib.sha256()
-    for name in sorted(full):
-        h.update(name.encode())
-        h.update(full[name].detach().float().contiguous().numpy().tobytes())
-    return h.hexdigest()
+    seq = cfg.data.seq_length
+    throughput = Throughput(step_flops(model_config, par.global_batch_size, seq).model,
+                            par.global_batch_size * seq,
+                            measured_peak_flops(model_config.params_dtype), world)
+    callbacks: list[Callback] = [
+        MetricsCallback(cfg.logging.log_interval, throughput),
+        NonFiniteCallback(cfg.logging.max_skipped_steps),
+        ValidationCallback(cfg.eval.interval),
+        PreemptionCallback(preemption),
+    ]
+    if cfg.schedule.exit_interval:
+        callbacks.append(ExitIntervalCallback(cfg.schedule.exit_interval))
+    callbacks += [CheckpointRecords(cfg.checkpoint.async_save),
+                  CheckpointCallback(manager, cfg.checkpoint.save_interval,
+                                     state.step if load_path is not None else None),
+                  *(extra_callbacks or ())]
+    meta_extra = {"config": cfg.to_dict(), "tokenizer_fingerprint": sources.tokenizer.fingerprint,
+                  "tokenizer": str(sources.tokenizer.path),
+                  "architecture": ckpt.architecture_signature(model_config)}
+    return Trainer(engine, state, batches(), evaluate, reporter, callbacks,
+                   cfg.schedule.train_steps, par.global_batch_size, meta_extra,
+                   checkpoint=str(load_path) if load_path is not None else None)

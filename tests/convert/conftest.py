@@ -105,9 +105,5 @@ def hf_state(folder) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Tiny tensors: one thread avoids oversubscribing the 2 shared cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_torch_thread(one_torch_thread):
+    """Every test here uses tiny tensors."""

@@ -87,11 +87,12 @@ def write_checkpoints(root: str, tokenizer: str, fingerprint: str, hf_source: st
     a TP=2 checkpoint root `hf_to_tp2`; returns megatron logits (TP=1 and TP=2)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_iiet.model.gpt import IIETModel
+    from megatron_iiet.model.gpt import IIETGPTModel
     from megatron_iiet.model.sharding import init_layout_independent
-    from megatron_iiet.training.checkpointing import CheckpointManager, TrainingState
+    from megatron_iiet.training.checkpointing import (CheckpointManager, TrainingState,
+                                                      architecture_signature)
     from megatron_iiet.training.engines import MegatronEngine
-    from megatron_iiet.training.trainer import build_model_config
+    from megatron_iiet.training.config import build_model_config
 
     logits = {}
     ids = input_ids()
@@ -99,7 +100,7 @@ def write_checkpoints(root: str, tokenizer: str, fingerprint: str, hf_source: st
         _switch_layout(tp, pp)
         for variant in VARIANTS:
             cfg = train_config(variant, tokenizer, tp, pp)
-            model = IIETModel(build_model_config(cfg, PADDED_VOCAB))
+            model = IIETGPTModel(build_model_config(cfg, PADDED_VOCAB))
             init_layout_independent(model, SEED)
             perturb_vectors(model, SEED)
             if pp == 1:  # the megatron model's own logits, before the engine wraps it
@@ -111,7 +112,8 @@ def write_checkpoints(root: str, tokenizer: str, fingerprint: str, hf_source: st
                                         keep_last=1)
             manager.save(engine, TrainingState(step=7, consumed_samples=14),
                          {"config": cfg.to_dict(), "tokenizer": tokenizer,
-                          "tokenizer_fingerprint": fingerprint})
+                          "tokenizer_fingerprint": fingerprint,
+                          "architecture": architecture_signature(model.config)})
             manager.close()
         if (tp, pp) == (2, 1):  # HF -> megatron by the ranks of this TP=2 job themselves
             from megatron_iiet.hf.convert import import_from_hf
@@ -152,9 +154,9 @@ def convert_all(root: str, out: str, hf_to_tp2: str) -> dict:
     of `hf_to_tp2`."""
     from megatron_iiet.hf.convert import (export_to_hf, find_checkpoint, import_from_hf,
                                           load_megatron_checkpoint, read_checkpoint_meta)
-    from megatron_iiet.model.gpt import IIETModel
+    from megatron_iiet.model.gpt import IIETGPTModel
     from megatron_iiet.model.sharding import load_full
-    from megatron_iiet.training.trainer import parameters_sha256
+    from megatron_iiet.model.sharding import parameters_sha256
 
     out = Path(out)
     for ckpt in sorted(Path(root).iterdir()):
@@ -166,6 +168,6 @@ def convert_all(root: str, out: str, hf_to_tp2: str) -> dict:
     export_to_hf(hf_to_tp2, out / "back" / "hf_to_tp2")
     ckpt = find_checkpoint(hf_to_tp2)
     config, tensors = load_megatron_checkpoint(ckpt, read_checkpoint_meta(ckpt))
-    model = IIETModel(config)
+    model = IIETGPTModel(config)
     load_full(model, tensors)
     return {"digest": parameters_sha256(model)}

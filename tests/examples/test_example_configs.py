@@ -41,7 +41,7 @@ def test_expected_examples_exist():
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_example_loads_and_validates(path):
-    from megatron_iiet.training.trainer import build_model_config, padded_vocab_size
+    from megatron_iiet.training.config import build_model_config, padded_vocab_size
 
     cfg = load_example(path)
     for world in world_sizes(path.stem):

@@ -19,9 +19,5 @@ import torch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """The HF tests use tiny tensors: one thread avoids oversubscribing the 2 shared cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_torch_thread(one_torch_thread):
+    """Every test here uses tiny tensors."""

@@ -2,23 +2,12 @@
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.training.conftest import base_overrides, check_ok, launch, records, train_losses
-
-
-def _wait_for(predicate, timeout=240, proc=None):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"process exited early ({proc.returncode}):\n{proc.stdout.read()}")
-        time.sleep(0.2)
-    raise AssertionError("timed out waiting")
+from tests.training.faults import wait_for
 
 
 def _latest(log_dir) -> str:
@@ -29,7 +18,7 @@ def test_sigterm_during_training_saves_and_resumes(tiny_data, tmp_path):
     log = tmp_path / "run"
     long_run = {"schedule.train_steps": 400, "checkpoint.save_interval": 0}
     proc = launch(base_overrides(tiny_data, log, **long_run), wait=False)
-    _wait_for(lambda: len(records(log, "train")) >= 3, proc=proc)
+    wait_for(lambda: len(records(log, "train")) >= 3, proc=proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-3000:]
@@ -51,7 +40,7 @@ def test_interrupted_saves_keep_a_valid_latest(tiny_data, tmp_path):
 
     # SIGKILL while the step-2 checkpoint is half written: nothing valid yet, no `latest`.
     proc = launch(base_overrides(tiny_data, log, **settings), entry=paused, wait=False)
-    _wait_for(marker.exists, proc=proc)
+    wait_for(marker.exists, proc=proc)
     os.killpg(proc.pid, signal.SIGKILL)  # like a node failure: the job and its helpers die
     proc.communicate(timeout=60)
     assert not (log / "checkpoints" / "latest").exists()
@@ -61,7 +50,7 @@ def test_interrupted_saves_keep_a_valid_latest(tiny_data, tmp_path):
     # step with its checkpoint, and `latest` points at it.
     marker.unlink()
     proc = launch(base_overrides(tiny_data, log, **settings), entry=paused, wait=False)
-    _wait_for(marker.exists, proc=proc)
+    wait_for(marker.exists, proc=proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-3000:]

@@ -94,8 +94,9 @@ def test_ranks_save_and_stop_when_torchrun_is_killed(tiny_data, tmp_path):
     proc.kill()  # SIGKILL to the launcher alone: the ranks live in their own sessions
     proc.wait()
     wait_for(lambda: not any(alive(r) for r in ranks), timeout=120)
-    stop = records(run, "preempted")[-1]
-    assert stop["reason"] == f"the launcher (torchrun, pid {proc.pid}) is gone"
+    stop = records(run, "preempted")[-1]  # rank 0's: it may have seen it first, or rank 1
+    assert stop["reason"] in (f"the launcher (torchrun, pid {proc.pid}) is gone",
+                              "the launcher is gone (seen by another rank)")
     latest = (run / "checkpoints" / "latest").read_text()
     assert latest == f"iter_{stop['step']:07d}" and defect(run / "checkpoints" / latest) is None
 

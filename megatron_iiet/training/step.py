@@ -1,14 +1,20 @@
-"""Forward/backward over micro-batches through megatron-core's schedules, history included.
+"""What one training step computes: the objective (the loss extension point) and the
+forward/backward over micro-batches through megatron-core's schedules, history included.
 
-``forward_backward`` is the one training-step primitive the trainer, the tests and the
+``forward_backward`` is the one training-step primitive the engines, the tests and the
 benchmarks share: it picks megatron's no-pipelining or 1F1B schedule, widens what crosses a
 stage boundary to carry the cross-layer history, and sums gradients of parameters that exist on
 several stages.
+
+``Objective`` is where the loss comes from. The default is the language-model loss (the masked
+mean of the per-token cross entropy). Extra terms, e.g. a distillation loss, are added with
+``Objective(extra_terms=[...])`` and handed to the engine; the training loop does not change.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -53,32 +59,66 @@ def allreduce_cross_stage_grads(models, embeddings: bool = True) -> None:
         dist.all_reduce(grad, group=group)
 
 
-def _loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+LossTerm = Callable[[dict, torch.Tensor], torch.Tensor]
+"""An extra loss term: (micro-batch, the model's per-token loss [b, s]) -> a scalar to add."""
+
+
+def masked_mean(per_token: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     mask = loss_mask.reshape(-1).float()
-    total = (per_token_loss.reshape(-1).float() * mask).sum()
-    tokens = mask.sum().clamp(min=1)
-    loss = total / tokens
-    # megatron scales the returned loss in place; report an unscaled copy
-    return loss, {"lm loss": loss.detach().clone()}
+    return (per_token.reshape(-1).float() * mask).sum() / mask.sum().clamp(min=1)
 
 
-def _forward_step(data_iterator: Iterator, model):
-    batch = next(data_iterator)
-    out = model(batch["input_ids"], labels=batch["labels"])
-    return out, lambda output: _loss_func(batch["loss_mask"], output)
+@dataclass
+class Objective:
+    """The loss a step minimises: the language-model loss plus ``extra_terms`` (name -> term).
+
+    Every term is logged under its name in the step's metrics (``lm`` for the LM loss); the
+    reported ``loss`` is their sum. It is evaluated on the last pipeline stage, per micro-batch.
+    """
+
+    extra_terms: dict[str, LossTerm] = field(default_factory=dict)
+
+    @property
+    def metric_names(self) -> list[str]:
+        """What ``loss`` reports: the total, and its terms when there are several."""
+        return ["loss", "lm", *self.extra_terms] if self.extra_terms else ["loss"]
+
+    def forward(self, model, batch: dict) -> torch.Tensor:
+        return model(batch["input_ids"], labels=batch["labels"])
+
+    def loss(self, batch: dict, per_token_loss: torch.Tensor):
+        lm = masked_mean(per_token_loss, batch["loss_mask"])
+        if not self.extra_terms:
+            return lm, {"loss": lm.detach().clone()}  # megatron scales the loss in place
+        terms = {"lm": lm, **{name: term(batch, per_token_loss)
+                              for name, term in self.extra_terms.items()}}
+        total = sum(terms.values())
+        return total, {"loss": total.detach().clone(),
+                       **{name: t.detach().clone() for name, t in terms.items()}}
+
+
+LANGUAGE_MODEL = Objective()
 
 
 def forward_backward(
     model: torch.nn.Module,
     micro_batches: list[dict],
     forward_only: bool = False,
-) -> list[float]:
-    """Run all micro-batches of one step; returns each micro-batch's mean loss (last stage).
+    objective: Optional[Objective] = None,
+) -> list[dict[str, float]]:
+    """Run all micro-batches of one step; returns each micro-batch's metrics (``loss`` and each
+    term of ``objective``), on the last stage (empty elsewhere).
 
     Each micro-batch is a dict of ``input_ids``, ``labels`` and ``loss_mask`` ([b, s]); every
     pipeline stage gets the same dicts (stages past the first only read their shapes).
     The returned gradients are those of the mean over micro-batches.
     """
+    objective = objective or LANGUAGE_MODEL
+
+    def forward_step(data_iterator: Iterator, model):
+        batch = next(data_iterator)
+        return objective.forward(model, batch), lambda output: objective.loss(batch, output)
+
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     schedule = get_forward_backward_func()
     b, s = micro_batches[0]["input_ids"].shape
@@ -86,8 +126,8 @@ def forward_backward(
     if pp > 1:
         unwrapped = get_attr_wrapped_model(model, "pipeline_tensor_shapes", return_model_obj=True)
         kwargs["adjust_tensor_shapes_fn"] = unwrapped.pipeline_tensor_shapes
-    losses = schedule(
-        forward_step_func=_forward_step,
+    metrics = schedule(
+        forward_step_func=forward_step,
         data_iterator=iter(micro_batches),
         model=[model],
         num_microbatches=len(micro_batches),
@@ -99,4 +139,4 @@ def forward_backward(
     if not forward_only and getattr(model, "config", None) is not None:
         if model.config.finalize_model_grads_func is None:
             allreduce_cross_stage_grads([model])
-    return [float(x["lm loss"]) for x in losses]
+    return [{k: float(v) for k, v in m.items()} for m in metrics]

@@ -1,0 +1,156 @@
+"""megatron -> HF (`export_to_hf`): a checkpoint written by the trainer at any TP/PP, by either
+engine, is loaded in ONE process into a TP=1/PP=1 model: our dist-checkpoint keys are global
+(layers by global index, tensors sharded by megatron's own ShardedTensors), so megatron's
+`dist_checkpointing.load` reshards any layout into that one. The full tensors are then renamed
+and reshaped into the HF layout (mapping.py) and written with `save_pretrained` (config with
+auto_map, the modeling code, safetensors shards, generation config) plus the tokenizer and a
+model card.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from .checks import (META, ConversionError, check_destination, check_expected_architecture,
+                     check_shards_present, dtype_named, find_checkpoint, read_checkpoint_meta,
+                     refuse_nonfinite)
+from .mapping import hf_config_for, megatron_to_hf_tensors
+from .megatron_model import Progress, load_megatron_checkpoint, quiet
+from .release_import import TOKENIZER_FILES, assemble_model, check_tensors, write_atomically
+
+
+@dataclass
+class ExportSummary:
+    output: str
+    source: str
+    architecture: str
+    step: Optional[int]
+    source_layout: dict
+    parameters: int
+    vocab_size: int
+    dtype: str
+    weight_files: list
+    tokenizer: Optional[str]
+    seconds: float
+
+
+def resolve_tokenizer(meta: dict, override: Optional[str], ckpt: Path):
+    """The checkpoint's tokenizer (or `override`), checked against the saved fingerprint."""
+    from megatron_iiet.data.tokenizer import Tokenizer
+
+    path = override or meta.get("tokenizer") or meta["config"].get("data", {}).get("tokenizer")
+    if not path:
+        raise ConversionError(f"{ckpt / META}: names no tokenizer; pass --tokenizer PATH "
+                              "(or --no-tokenizer to export the weights only)")
+    if not Path(path).exists():
+        raise ConversionError(f"tokenizer {path} (named by {ckpt / META}) does not exist; pass "
+                              "--tokenizer PATH (or --no-tokenizer)")
+    try:
+        tokenizer = Tokenizer.from_path(path)
+    except ValueError as err:
+        raise ConversionError(f"tokenizer {path}: {err}") from err
+    saved = meta.get("tokenizer_fingerprint")
+    if saved and tokenizer.fingerprint != saved:
+        raise ConversionError(f"tokenizer {path} ({tokenizer.fingerprint}) is not the one the "
+                              f"checkpoint was trained with ({saved})")
+    return tokenizer
+
+
+def _model_card(summary_fields: dict, hf_config, meta: dict) -> str:
+    import yaml
+
+    from megatron_iiet.model.architectures import get_architecture
+
+    its = (f"- iterations per layer: {hf_config.iterations} (formulation `{hf_config.formulation}`)\n"
+           if get_architecture(hf_config.architecture, hf_config.formulation).iterates else "")
+    return (
+        f"# {hf_config.architecture} model ({hf_config.num_hidden_layers} layers, hidden "
+        f"{hf_config.hidden_size})\n\n"
+        "Converted from a megatron_iiet training checkpoint by `tools/convert_checkpoint.py`.\n\n"
+        f"- architecture: `{hf_config.architecture}`\n{its}"
+        f"- heads {hf_config.num_attention_heads} (kv {hf_config.num_key_value_heads}), FFN "
+        f"{hf_config.intermediate_size}, vocab {hf_config.vocab_size}, tied embeddings "
+        f"{hf_config.tie_word_embeddings}\n"
+        f"- source: `{summary_fields['source']}` (step {meta.get('step')}, layout "
+        f"{meta.get('layout')}, engine {meta.get('engine')})\n"
+        f"- weights dtype: {summary_fields['dtype']}\n\n"
+        "## Usage\n\n```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)\n"
+        "tokenizer = AutoTokenizer.from_pretrained(folder)\n```\n\n"
+        "The cached `generate` keeps one KV cache per (layer, pass), so it reproduces the "
+        "full-sequence logits exactly (see docs/hf.md of megatron_iiet).\n\n"
+        "## Training configuration\n\n```yaml\n"
+        + yaml.safe_dump(meta["config"], sort_keys=False) + "```\n")
+
+
+def _write_tokenizer(tokenizer, folder: Path) -> None:
+    from megatron_iiet.data.hf_export import export_hf_tokenizer
+
+    src = Path(tokenizer.path)
+    if src.is_file():  # a sentencepiece model: build the HF files from it
+        export_hf_tokenizer(src, folder)
+        return
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, folder / name)
+
+
+def export_to_hf(src, dst, dtype: str = "fp32", trim_vocab: bool = False,
+                 max_shard_size: str = "2GB", force: bool = False,
+                 expect_architecture: Optional[str] = None, tokenizer: Optional[str] = None,
+                 with_tokenizer: bool = True, allow_nonfinite: bool = False,
+                 progress: Progress = quiet) -> ExportSummary:
+    """Write the HF folder `dst` for the megatron checkpoint `src` (root or iter_* dir).
+    NaN/Inf weights (or weights `dtype` cannot hold) are refused unless `allow_nonfinite`."""
+    start = time.perf_counter()
+    dst = Path(dst)
+    torch_dtype = dtype_named("dtype", dtype)
+    ckpt = find_checkpoint(src)
+    meta = read_checkpoint_meta(ckpt)
+    check_expected_architecture(meta, expect_architecture, ckpt)
+    check_shards_present(ckpt)
+    check_destination(dst, force)
+    tok = resolve_tokenizer(meta, tokenizer, ckpt) if with_tokenizer else None
+    if trim_vocab and tok is None:
+        raise ConversionError("--trim-vocab needs the tokenizer (its vocabulary size)")
+    progress(f"reading {ckpt} (layout {meta.get('layout')}, engine {meta.get('engine')})")
+    model_cfg, meg = load_megatron_checkpoint(ckpt, meta)
+    refuse_nonfinite(meg, ckpt, allow_nonfinite, cast_to=torch_dtype)
+    progress(f"loaded {len(meg)} tensors into one TP=1/PP=1 {model_cfg.architecture} model")
+    hf = megatron_to_hf_tensors(meg, model_cfg)
+    del meg
+    vocab = model_cfg.vocab_size
+    if trim_vocab:
+        vocab = tok.vocab_size
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            if name in hf:
+                hf[name] = hf[name][:vocab].contiguous()
+    seq = meta["config"].get("data", {}).get("seq_length", 2048)
+    hf_config = hf_config_for(model_cfg, vocab, tok, seq)
+    model = assemble_model(check_tensors(hf, hf_config), hf_config, torch_dtype)
+    del hf
+    parameters = sum(p.numel() for p in model.parameters())
+    progress(f"writing {dst} ({parameters / 1e6:.1f}M parameters, {dtype})")
+
+    def fill(folder: Path):
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig(
+            bos_token_id=hf_config.bos_token_id, eos_token_id=hf_config.eos_token_id,
+            pad_token_id=hf_config.pad_token_id)
+        model.save_pretrained(folder, max_shard_size=max_shard_size)
+        if tok is not None:
+            _write_tokenizer(tok, folder)
+        card = _model_card({"source": str(ckpt), "dtype": dtype}, hf_config, meta)
+        (folder / "README.md").write_text(card)
+
+    write_atomically(dst, force, fill)
+    files = sorted(p.name for p in dst.glob("*.safetensors"))
+    return ExportSummary(str(dst), str(ckpt), model_cfg.architecture, meta.get("step"),
+                         meta.get("layout", {}), parameters, vocab, dtype, files,
+                         str(tok.path) if tok is not None else None,
+                         time.perf_counter() - start)

@@ -1,0 +1,32 @@
+"""The config is resolved once: model settings fail at load time, and the model defaults are
+written in one place (the model config), which a training config inherits."""
+
+import dataclasses
+
+import pytest
+
+from megatron_iiet.model.config import IIETTransformerConfig
+from megatron_iiet.training.config import (
+    ModelSection, TrainConfig, build_model_config, load_config, padded_vocab_size)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.iterations=[1,2]", "model.iterations: needs one entry per layer (4), got 2"),
+    ("model.architecture=rk3", "model.architecture: unknown 'rk3'"),
+    ("model.preset=7b", "model.preset: unknown '7b'"),
+    ("model.iteration_checkpointing=some", "model.iteration_checkpointing: unknown 'some'"),
+])
+def test_a_bad_model_setting_fails_when_the_config_is_loaded(override, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[")):
+        load_config(None, [override])
+
+
+def test_unset_model_fields_take_the_model_configs_defaults():
+    built = build_model_config(TrainConfig(), padded_vocab_size(500))
+    defaults = {f.name: f.default for f in dataclasses.fields(IIETTransformerConfig)}
+    for name in ("architecture", "formulation", "max_iterations", "iteration_checkpointing",
+                 "hidden_dropout", "attention_dropout", "init_method_std"):
+        assert getattr(ModelSection(), name) is None, f"{name}: a second default"
+        assert getattr(built, name) == defaults[name], name
+    assert built.vocab_size == 512
