@@ -190,8 +190,10 @@ def train(cfg: TrainConfig, objective=None, callbacks: tuple[Callback, ...] = ()
 
             init_deepspeed_distributed()
         validate(cfg, dist.get_world_size())
-    except ValueError as err:
-        raise err if isinstance(err, OperatorError) else BadInput(str(err)) from err
+    except OperatorError:
+        raise
+    except ValueError as err:  # a layout or engine the config cannot have
+        raise BadInput(str(err)) from err
     # Installed first, so that every helper process started below leaves the signals to us.
     with PreemptionHandler() as preemption:
         locks = on_rank0(lambda: _lock_run_directories(cfg, dist.get_world_size()))
@@ -199,8 +201,10 @@ def train(cfg: TrainConfig, objective=None, callbacks: tuple[Callback, ...] = ()
         try:
             try:
                 trainer = build_trainer(cfg, preemption, objective, list(callbacks))
+            except OperatorError:
+                raise
             except ValueError as err:  # found before the first step: the input's fault
-                raise err if isinstance(err, OperatorError) else BadInput(str(err)) from err
+                raise BadInput(str(err)) from err
             return trainer.fit()
         finally:
             for lock in locks:
