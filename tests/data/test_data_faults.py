@@ -75,7 +75,7 @@ def _mount_tmpfs(target: Path, options: str) -> None:
     target.mkdir(parents=True, exist_ok=True)
     result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)], capture_output=True, text=True)
     if result.returncode:
-        pytest.skip(f"cannot mount a tmpfs ({result.stderr.strip() or result.returncode}); "
+        pytest.skip(f"tmpfs mount not available ({result.stderr.strip() or result.returncode}); "
                     "as root only a mount makes a directory unwritable or full")
 
 
@@ -224,7 +224,7 @@ def test_checksum_check_is_remembered_until_the_file_changes(dataset):
 
 def test_read_only_dataset_is_verified_without_remembering(tmp_path, small_tokenizer, mounts):
     if os.geteuid() != 0:
-        pytest.skip("remounting read-only needs root")
+        pytest.skip("not available: remounting read-only needs root")
     shared = mounts(tmp_path / "shared", "size=4m")
     source = write_jsonl(tmp_path / "in.jsonl", [f"text {i}" for i in range(20)])
     prefix = preprocess([source], small_tokenizer, shared / "ds").outputs[0]
@@ -308,7 +308,7 @@ def test_read_only_output_directory_refuses_with_one_line(tmp_path, small_tokeni
 
 def test_full_output_directory_reports_no_space(tmp_path, small_tokenizer, shared_data, mounts):
     if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
+        pytest.skip("not available: mounting a small tmpfs needs root")
     full = mounts(tmp_path / "small", "size=64k")
     source = write_jsonl(tmp_path / "in.jsonl", gutenberg_paragraphs(shared_data, books=1))  # ~300 KB of tokens
     with pytest.raises(OutputWriteError, match=f"^no space left on {re.escape(str(full))}"):

@@ -42,12 +42,12 @@ def tmpfs(path: Path, options: str):
     """A real tmpfs at ``path`` (``options``: e.g. "size=1m" or "ro"), for full and read-only
     disks: root ignores file permissions, so only a real mount makes a write fail here."""
     if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (full / read-only disk faults)")
+        pytest.skip("not available: mounting a tmpfs needs root (full / read-only disk faults)")
     path.mkdir(parents=True, exist_ok=True)
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
                           capture_output=True, text=True)
     if done.returncode != 0:
-        pytest.skip(f"mount -t tmpfs not permitted here: {done.stderr.strip()}")
+        pytest.skip(f"mount -t tmpfs not available here: {done.stderr.strip()}")
     try:
         yield path
     finally:
