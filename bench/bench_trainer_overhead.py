@@ -65,7 +65,7 @@ def main() -> None:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(before)],
                            capture_output=True)
     b, a = (statistics.median(medians[n]) for n in ("before", "after"))
-    print(f"\n| trainer | median step (ms), per round | median of rounds (ms) |")
+    print("\n| trainer | median step (ms), per round | median of rounds (ms) |")
     print("|---|---|---|")
     for name in trees:
         per_round = ", ".join(f"{m * 1e3:.1f}" for m in medians[name])

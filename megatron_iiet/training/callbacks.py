@@ -14,6 +14,7 @@ list order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
@@ -169,3 +170,16 @@ class CheckpointCallback(Callback):
         if finished and self.saved_step != trainer.state.step:
             self._save(trainer)
         self.manager.close()
+
+
+class CheckpointRecords(Callback):
+    """A `checkpoint` record (path, seconds, size) per save."""
+
+    def __init__(self, async_save: bool):
+        self.async_save = async_save
+
+    def on_save(self, trainer, path, seconds):
+        size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) if (
+            trainer.reporter.enabled and Path(path).exists()) else None
+        trainer.reporter.event("checkpoint", trainer.state.step, path=path, seconds=seconds,
+                               bytes=size, async_save=self.async_save)

@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from megatron_iiet.errors import BadInput, OperatorError
 from megatron_iiet.training.callbacks import (  # noqa: F401  (TooManySkippedSteps re-exported)
-    Callback, CheckpointCallback, ExitIntervalCallback, MetricsCallback, NonFiniteCallback,
-    PreemptionCallback, StepEnd, TooManySkippedSteps, ValidationCallback)
+    Callback, CheckpointCallback, CheckpointRecords, ExitIntervalCallback, MetricsCallback,
+    NonFiniteCallback, PreemptionCallback, StepEnd, TooManySkippedSteps, ValidationCallback)
 from megatron_iiet.training.checkpointing import TrainingState
 from megatron_iiet.training.config import (  # noqa: F401  (build_model_config re-exported)
     TrainConfig, build_model_config, padded_vocab_size, validate)
@@ -112,19 +112,6 @@ class Trainer:
             self.reporter.close()
         return TrainSummary(self.state.step, digest, self.last_loss, self.valid_loss,
                             self.last_checkpoint, str(self.reporter.root), self.preempted)
-
-
-class CheckpointRecords(Callback):
-    """A `checkpoint` record (path, seconds, size) per save."""
-
-    def __init__(self, async_save: bool):
-        self.async_save = async_save
-
-    def on_save(self, trainer, path, seconds):
-        size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) if (
-            trainer.reporter.enabled and Path(path).exists()) else None
-        trainer.reporter.event("checkpoint", trainer.state.step, path=path, seconds=seconds,
-                               bytes=size, async_save=self.async_save)
 
 
 # ---- building a run from a config -------------------------------------------------------------

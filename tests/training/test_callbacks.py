@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from megatron_iiet.training.callbacks import (
-    Callback, CheckpointCallback, ExitIntervalCallback, MetricsCallback, NonFiniteCallback,
-    PreemptionCallback, TooManySkippedSteps, ValidationCallback)
+    Callback, CheckpointCallback, CheckpointRecords, ExitIntervalCallback, MetricsCallback,
+    NonFiniteCallback, PreemptionCallback, TooManySkippedSteps, ValidationCallback)
 from megatron_iiet.training.checkpoint_index import defect, read_meta
 from megatron_iiet.training.checkpointing import CheckpointManager, TrainingState, load
 from megatron_iiet.training.engines import StepResult
 from megatron_iiet.training.metrics import MetricsLogger, Throughput
 from megatron_iiet.training.signals import PreemptionHandler
-from megatron_iiet.training.trainer import CheckpointRecords, Trainer
+from megatron_iiet.training.trainer import Trainer
 
 
 class LinearEngine:
