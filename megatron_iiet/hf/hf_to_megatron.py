@@ -38,8 +38,10 @@ class ImportSummary:
     seconds: float
 
 
-def read_hf_folder(src: Path, iterations=None):
-    """(IIETConfig, tensors) of an HF folder of ours or of the authors' release layout."""
+def read_hf_folder(src: Path, iterations=None, architecture: Optional[str] = None):
+    """(IIETConfig, tensors) of an HF folder of ours or of the authors' release layout; the
+    release layout's architecture comes from the tensors, or ``architecture`` when they fit
+    several (a plain LLaMA's tensors fit vanilla and the ODE models alike)."""
     try:
         raw = rel.read_release_config(src)  # checks it is a folder with a usable config.json
         tensors = rel.load_tensors(rel.find_weight_files(src))
@@ -52,7 +54,9 @@ def read_hf_folder(src: Path, iterations=None):
             except (TypeError, ValueError) as err:  # a field of the wrong type or value
                 raise ConversionError(f"{src / 'config.json'}: {err}") from err
         else:
-            config = rel.build_config(raw, rel.detect_architecture(tensors), iterations)
+            chosen = rel.choose_architecture(tensors, raw, architecture, src,
+                                             option="--expect-architecture")
+            config = rel.build_config(raw, chosen, iterations)
         tensors = rel.check_tensors(tensors, config)
     except ValueError as err:  # ReleaseImportError, or IIETConfig refusing the config
         raise ConversionError(str(err)) from err
@@ -72,7 +76,7 @@ def import_from_hf(src, dst, tp: int = 1, pp: int = 1, precision: str = "fp32",
     torch_dtype = dtype_named("precision", precision)
     if tp < 1 or pp < 1:
         raise ConversionError(f"layout: TP and PP must be >= 1, got TP={tp} PP={pp}")
-    hf_config, hf = read_hf_folder(src, iterations)
+    hf_config, hf = read_hf_folder(src, iterations, expect_architecture)
     # The mapping only moves values (and pads with zeros): checking the HF tensors covers it.
     refuse_nonfinite(hf, src, allow_nonfinite, cast_to=torch_dtype)
     if expect_architecture is not None and hf_config.architecture != expect_architecture:

@@ -93,21 +93,27 @@ def one_process_group():
                 os.environ[k] = v
 
 
-def load_megatron_checkpoint(ckpt: Path, meta: dict):
-    """(TP=1/PP=1 model config, {megatron full name: tensor}) of a checkpoint of any layout."""
-    from megatron.core import dist_checkpointing
-
-    from megatron_iiet.model.gpt import IIETGPTModel
+def check_rebuilds(meta: dict, model_cfg, ckpt: Path) -> None:
+    """Refuse a checkpoint whose saved config no longer builds the architecture it saved."""
     from megatron_iiet.training.checkpointing import architecture_signature
 
-    train_cfg = train_config_from_dict(meta["config"])
-    model_cfg = single_process_model_config(train_cfg, meta["architecture"]["vocab_size"])
     rebuilt = architecture_signature(model_cfg)
     if rebuilt != meta["architecture"]:
         diffs = {k: (meta["architecture"].get(k), v) for k, v in rebuilt.items()
                  if meta["architecture"].get(k) != v}
         raise ConversionError(f"{ckpt / META}: its config does not rebuild the saved "
                               f"architecture (saved, rebuilt): {diffs}")
+
+
+def load_megatron_checkpoint(ckpt: Path, meta: dict):
+    """(TP=1/PP=1 model config, {megatron full name: tensor}) of a checkpoint of any layout."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_iiet.model.gpt import IIETGPTModel
+
+    train_cfg = train_config_from_dict(meta["config"])
+    model_cfg = single_process_model_config(train_cfg, meta["architecture"]["vocab_size"])
+    check_rebuilds(meta, model_cfg, ckpt)
     with one_process_group():
         model = IIETGPTModel(model_cfg)
         try:

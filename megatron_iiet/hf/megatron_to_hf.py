@@ -38,6 +38,27 @@ class ExportSummary:
     seconds: float
 
 
+def tokenizer_candidates(path: str, meta: dict, ckpt: Path) -> list[Path]:
+    """Where the tokenizer path a checkpoint records may point. The trainer stores it resolved;
+    older checkpoints hold it as given, relative to the directory training ran in, so a
+    relative path is tried as is, then from that directory (the checkpoint root minus the
+    run's relative `checkpoint.dir`), then from each folder up from the checkpoint (a run
+    folder moved or copied whole)."""
+    given = Path(path)
+    if given.is_absolute():
+        return [given]
+    found = [given]
+    ckpt = ckpt.resolve()
+    config = meta.get("config", {})
+    logs = (config.get("logging") or {}).get("dir") or "outputs/run"  # TrainConfig's defaults
+    named = Path((config.get("checkpoint") or {}).get("dir") or Path(logs) / "checkpoints").parts
+    root = ckpt.parent.parts  # the checkpoint root: training called it `named`
+    if named and not Path(*named).is_absolute() and ".." not in named and root[-len(named):] == named:
+        found.append(Path(*root[:-len(named)]) / given)
+    found += [folder / given for folder in (ckpt, *ckpt.parents)]
+    return list(dict.fromkeys(found))
+
+
 def resolve_tokenizer(meta: dict, override: Optional[str], ckpt: Path):
     """The checkpoint's tokenizer (or `override`), checked against the saved fingerprint."""
     from megatron_iiet.data.tokenizer import Tokenizer
@@ -46,21 +67,28 @@ def resolve_tokenizer(meta: dict, override: Optional[str], ckpt: Path):
     if not path:
         raise ConversionError(f"{ckpt / META}: names no tokenizer; pass --tokenizer PATH "
                               "(or --no-tokenizer to export the weights only)")
-    if not Path(path).exists():
+    # An --tokenizer path is the operator's, relative to where they are; only the recorded one
+    # is looked for where training may have meant it.
+    candidates = [Path(path)] if override else tokenizer_candidates(path, meta, ckpt)
+    existing = [c for c in candidates if c.exists()]
+    if not existing:
         raise ConversionError(f"tokenizer {path} (named by {ckpt / META}) does not exist; pass "
                               "--tokenizer PATH (or --no-tokenizer)")
-    try:
-        tokenizer = Tokenizer.from_path(path)
-    except ValueError as err:
-        raise ConversionError(f"tokenizer {path}: {err}") from err
     saved = meta.get("tokenizer_fingerprint")
-    if saved and tokenizer.fingerprint != saved:
-        raise ConversionError(f"tokenizer {path} ({tokenizer.fingerprint}) is not the one the "
-                              f"checkpoint was trained with ({saved})")
-    return tokenizer
+    first = None
+    for candidate in existing:
+        try:
+            tokenizer = Tokenizer.from_path(candidate)
+        except ValueError as err:
+            raise ConversionError(f"tokenizer {candidate}: {err}") from err
+        if not saved or tokenizer.fingerprint == saved:
+            return tokenizer
+        first = first or tokenizer  # a folder further up may hold the right one
+    raise ConversionError(f"tokenizer {first.path} ({first.fingerprint}) is not the one the "
+                          f"checkpoint was trained with ({saved})")
 
 
-def _model_card(summary_fields: dict, hf_config, meta: dict) -> str:
+def _model_card(summary_fields: dict, hf_config, meta: dict, with_tokenizer: bool) -> str:
     import yaml
 
     from megatron_iiet.model.architectures import get_architecture
@@ -78,13 +106,27 @@ def _model_card(summary_fields: dict, hf_config, meta: dict) -> str:
         f"- source: `{summary_fields['source']}` (step {meta.get('step')}, layout "
         f"{meta.get('layout')}, engine {meta.get('engine')})\n"
         f"- weights dtype: {summary_fields['dtype']}\n\n"
-        "## Usage\n\n```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
-        "model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)\n"
-        "tokenizer = AutoTokenizer.from_pretrained(folder)\n```\n\n"
+        + _usage(with_tokenizer) +
         "The cached `generate` keeps one KV cache per (layer, pass), so it reproduces the "
         "full-sequence logits exactly (see docs/hf.md of megatron_iiet).\n\n"
         "## Training configuration\n\n```yaml\n"
         + yaml.safe_dump(meta["config"], sort_keys=False) + "```\n")
+
+
+def _usage(with_tokenizer: bool) -> str:
+    """The card's snippet (`folder`: this folder's path). trust_remote_code=True on both loads:
+    config.json maps to the folder's own code, so without it AutoTokenizer, which reads the
+    config too, would stop at transformers' interactive "run the custom code?" prompt."""
+    if not with_tokenizer:
+        return ("## Usage\n\n```python\nfrom transformers import AutoModelForCausalLM\n"
+                "model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)\n"
+                "```\n\nExported without a tokenizer.\n\n")
+    return ("## Usage\n\n`folder` is the path of this folder.\n\n```python\n"
+            "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+            "model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)\n"
+            "tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)\n"
+            "ids = tokenizer(\"def main():\", return_tensors=\"pt\").input_ids\n"
+            "print(tokenizer.decode(model.generate(ids, max_new_tokens=20)[0]))\n```\n\n")
 
 
 def _write_tokenizer(tokenizer, folder: Path) -> None:
@@ -145,7 +187,7 @@ def export_to_hf(src, dst, dtype: str = "fp32", trim_vocab: bool = False,
         model.save_pretrained(folder, max_shard_size=max_shard_size)
         if tok is not None:
             _write_tokenizer(tok, folder)
-        card = _model_card({"source": str(ckpt), "dtype": dtype}, hf_config, meta)
+        card = _model_card({"source": str(ckpt), "dtype": dtype}, hf_config, meta, tok is not None)
         (folder / "README.md").write_text(card)
 
     write_atomically(dst, force, fill)

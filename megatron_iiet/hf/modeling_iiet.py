@@ -73,6 +73,7 @@ class PassContext:
     sin: torch.Tensor
     mask: torch.Tensor | None
     cache: IIETCache | None
+    attend: Callable  # (q, k, v, mask) -> attention output, of config._attn_implementation
 
     def slot(self, layer_index, pass_index):
         return None if self.cache is None else self.cache.slot(layer_index, pass_index)
@@ -112,6 +113,32 @@ def apply_rope(x, cos, sin):
     return x * cos + rotate_half(x) * sin
 
 
+def sdpa_attention(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def eager_attention(q, k, v, mask):
+    """softmax(q k^T / sqrt(d) + mask) v, as transformers' eager_attention_forward computes it:
+    scores in the input dtype, softmax in fp32 and cast back (so it is the reference to debug
+    SDPA kernels against, and the path for tools that need explicit attention)."""
+    scores = torch.matmul(q, k.transpose(2, 3)) * q.shape[-1] ** -0.5
+    if mask is not None:  # boolean (True = attend) -> additive, as Llama's eager mask
+        scores = scores + torch.where(mask, 0.0, torch.finfo(scores.dtype).min).to(scores.dtype)
+    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
+
+
+# config._attn_implementation -> function; anything else is refused (never silently SDPA).
+ATTENTION_FUNCTIONS = {"sdpa": sdpa_attention, "eager": eager_attention}
+
+
+def attention_function(implementation):
+    if implementation not in ATTENTION_FUNCTIONS:
+        raise ValueError(f'attn_implementation="{implementation}" is not supported by IIET models; '
+                         f'use one of {", ".join(map(repr, ATTENTION_FUNCTIONS))}')
+    return ATTENTION_FUNCTIONS[implementation]
+
+
 class IIETAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -136,7 +163,7 @@ class IIETAttention(nn.Module):
             # GQA: key/value head j serves the consecutive query heads j*g .. j*g+g-1.
             group = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask)
+        out = ctx.attend(q, k, v, ctx.mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -374,6 +401,34 @@ def default_position_ids(padding_mask, batch, query_len, past_len, device):
 
 
 # ----------------------------------------------------------------------------------------------
+# Output options (transformers' semantics; a flag left None takes the config's value)
+# ----------------------------------------------------------------------------------------------
+def hidden_states_kept(flag, config):
+    """Indices of the num_hidden_layers + 1 hidden states to return, or None for none. As in
+    transformers 5, `output_hidden_states` may be an index or a list of them (negative ones
+    count from the end); the others come back as None."""
+    flag = getattr(config, "output_hidden_states", False) if flag is None else flag
+    count = config.num_hidden_layers + 1
+    if isinstance(flag, bool) or not flag:
+        return set(range(count)) if flag else None
+    wanted = [flag] if isinstance(flag, int) else list(flag)
+    return {i % count for i in wanted if -count <= i < count}
+
+
+def _return_dict(flag, config):
+    return getattr(config, "return_dict", True) if flag is None else flag
+
+
+def refuse_output_attentions(flag, config):
+    flag = getattr(config, "output_attentions", False) if flag is None else flag
+    if flag:
+        # A layer attends once per pass (up to 1 + iterations times), so transformers' one
+        # attention map per layer does not exist; refuse rather than return nothing.
+        raise ValueError("output_attentions is not supported by IIET models (a layer runs "
+                         "several attention passes)")
+
+
+# ----------------------------------------------------------------------------------------------
 # Models
 # ----------------------------------------------------------------------------------------------
 class IIETPreTrainedModel(PreTrainedModel):
@@ -381,7 +436,20 @@ class IIETPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = False
     _no_split_modules = ["IIETDecoderLayer"]
-    _supports_sdpa = True
+    _supports_sdpa = True  # "eager" needs no flag; flash / flex attention are refused below
+
+    @classmethod
+    def _can_set_attn_implementation(cls):
+        # transformers guesses this from the source (an AttentionInterface lookup); ours reads
+        # config._attn_implementation at every forward, so set_attn_implementation works.
+        return True
+
+    def get_correct_attn_implementation(self, requested_attention, is_init_check=False):
+        # Called by transformers (>= 5) at __init__ / from_pretrained / set_attn_implementation:
+        # refuse there, before any weight is loaded, what the forward could not run.
+        if requested_attention is not None:
+            attention_function(requested_attention)
+        return super().get_correct_attn_implementation(requested_attention, is_init_check)
 
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -436,18 +504,12 @@ class IIETModel(IIETPreTrainedModel):
             return IIETCache(layout)
         raise ValueError(f"a non-empty {type(cache).__name__} cannot serve IIET: pass an IIETCache")
 
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        position_ids=None,
-        cache=None,
-        inputs_embeds=None,
-        use_cache=None,
-        **kwargs,
-    ):
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
+                inputs_embeds=None, use_cache=None, output_hidden_states=None,
+                output_attentions=None, return_dict=None, **kwargs):
         if cache is None:
             cache = kwargs.pop("past_key_values", None)
+        refuse_output_attentions(output_attentions, self.config)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         if inputs_embeds is None:
@@ -463,18 +525,30 @@ class IIETModel(IIETPreTrainedModel):
             position_ids = default_position_ids(attention_mask, batch, query_len, past_len, device)
         cos, sin = rope_tables(position_ids, self.config.hidden_size // self.config.num_attention_heads,
                                self.config.rope_theta, inputs_embeds.dtype)
-        ctx = PassContext(cos, sin, build_attention_mask(attention_mask, query_len, past_len, device), cache)
+        attend = attention_function(getattr(self.config, "_attn_implementation", None) or "sdpa")
+        ctx = PassContext(cos, sin, build_attention_mask(attention_mask, query_len, past_len, device),
+                          cache, attend)
 
         step = step_of(self.config).function
         history = getattr(self, "history", None)
         states = [inputs_embeds] if self.config.uses_history else None
+        keep = hidden_states_kept(output_hidden_states, self.config)
+        all_hidden = []
         x = inputs_embeds
         for layer, iterations in zip(self.layers, self.config.iterations):
+            if keep is not None:  # the layer's input: the embeddings, then each layer's output
+                all_hidden.append(x if len(all_hidden) in keep else None)
+
             def run(u, pass_index, layer=layer):
                 return layer.block(u, pass_index, ctx)
 
             x = step(run, x, layer=layer, history=history, states=states, model=self, iterations=iterations)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(x), **{_CACHE_FIELD: cache})
+        x = self.norm(x)
+        if keep is not None:  # the last entry is after the final norm, as in LlamaModel
+            all_hidden.append(x if len(all_hidden) in keep else None)
+        out = BaseModelOutputWithPast(last_hidden_state=x, **{_CACHE_FIELD: cache},
+                                      hidden_states=tuple(all_hidden) if keep is not None else None)
+        return out if _return_dict(return_dict, self.config) else out.to_tuple()
 
 
 class IIETForCausalLM(IIETPreTrainedModel, GenerationMixin):
@@ -498,28 +572,15 @@ class IIETForCausalLM(IIETPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value):
         self.lm_head = value
 
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        position_ids=None,
-        cache=None,
-        inputs_embeds=None,
-        labels=None,
-        use_cache=None,
-        logits_to_keep=0,
-        **kwargs,
-    ):
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0,
+                output_hidden_states=None, output_attentions=None, return_dict=None, **kwargs):
         if cache is None:
             cache = kwargs.pop("past_key_values", None)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-        )
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                         output_hidden_states=output_hidden_states,
+                         output_attentions=output_attentions, return_dict=True)
         hidden = out.last_hidden_state
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
             hidden = hidden[:, -logits_to_keep:]
@@ -529,12 +590,13 @@ class IIETForCausalLM(IIETPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             # Next-token loss: position t predicts labels[t + 1]; -100 is ignored.
-            loss = F.cross_entropy(
-                logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-                labels[:, 1:].reshape(-1).to(logits.device),
-                ignore_index=-100,
-            )
-        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: getattr(out, _CACHE_FIELD)})
+            loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                                   labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100)
+        result = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states,
+                                        **{_CACHE_FIELD: getattr(out, _CACHE_FIELD)})
+        # return_dict=False: transformers' tuple (to_tuple() drops the None fields: loss first
+        # only when labels were given).
+        return result if _return_dict(return_dict, self.config) else result.to_tuple()
 
 
 IIETForCausalLM.register_for_auto_class("AutoModelForCausalLM")

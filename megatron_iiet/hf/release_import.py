@@ -3,9 +3,10 @@
 The release is a LLaMA folder (config.json is a LlamaConfig) whose state dict carries extra
 tensors: `model.history.*` for IIET, plus `model.alpha` and `model.RK_norm.*` for PCformer. Our
 HF names were chosen to equal the release's, so the tensor mapping is the identity; this module
-reads the folder (safetensors or pytorch_model.bin, sharded or not), detects the architecture,
-checks every tensor against the shapes our model expects and writes an exported folder (weights,
-config with auto_map, the two code files) atomically. The mapping is documented in docs/hf.md.
+reads the folder (safetensors or pytorch_model.bin, sharded or not), finds the architecture
+(from the tensors, or from `--architecture` / the config where the tensors fit several), checks
+every tensor against the shapes our model expects and writes an exported folder (weights, config
+with auto_map, the two code files) atomically. The mapping is documented in docs/hf.md.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from safetensors.torch import load_file as load_safetensors
 
 from megatron_iiet.errors import OperatorError
 
-from .configuration_iiet import IIETConfig
+from .configuration_iiet import IIETConfig, architecture_names
 from .modeling_iiet import IIETForCausalLM
 
 
@@ -157,7 +158,9 @@ def load_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
 
 
 def detect_architecture(names) -> str:
-    """pcformer_* if the PCformer scalars are present, iiet if only the history is, else vanilla."""
+    """pcformer_* if the PCformer scalars are present, iiet if only the history is, else vanilla.
+    Only for tensors no architecture fits exactly (`choose_architecture` decides the others):
+    the nearest guess, for which check_tensors then names what is missing or unexpected."""
     names = set(names)
     rk_norms = {n.split(".")[2] for n in names if n.startswith("model.RK_norm.")}
     if "model.alpha" in names or rk_norms:
@@ -174,16 +177,69 @@ def build_config(release: dict, architecture: str, iterations=None) -> IIETConfi
         raise ReleaseImportError(f"iterations only apply to IIET; this checkpoint is {architecture}")
     fields = {k: release[k] for k in _REQUIRED_KEYS}
     fields.update({k: release.get(k, default) for k, default in _OPTIONAL_KEYS.items()})
+    if iterations is None and architecture == "iiet" and release.get("architecture") == "iiet":
+        iterations = release.get("iterations")  # a folder of ours keeps its plan
     try:
         return IIETConfig(
             **fields,
             rope_theta=_rope_theta(release),
             architecture=architecture,
-            formulation="history",  # the only form the release has (spec 5b)
+            # the release has only the history form (spec 5b); a folder of ours names its own
+            formulation=release.get("formulation", "history"),
             iterations=iterations,
         )
     except ValueError as err:
         raise ReleaseImportError(f"bad config: {err}") from err
+
+
+def expected_tensor_names(config: IIETConfig) -> set[str]:
+    with torch.device("meta"):
+        names = set(IIETForCausalLM(config).state_dict())
+    if config.tie_word_embeddings:
+        names.discard("lm_head.weight")
+    return names
+
+
+def fitting_architectures(names, release: dict) -> list[str]:
+    """The architectures whose tensor names are exactly `names`. Several fit a plain LLaMA:
+    vanilla, ode_rk2 and ode_rk4 (and any other that adds no tensor) differ only in how often
+    and how the block runs, which no tensor records."""
+    present = set(names) - ({"lm_head.weight"} if release.get("tie_word_embeddings") else set())
+    fitting = []
+    for name in architecture_names():
+        try:
+            config = build_config(release, name)
+        except ReleaseImportError:  # e.g. a formulation this architecture does not have
+            continue
+        if expected_tensor_names(config) == present:
+            fitting.append(name)
+    return fitting
+
+
+def choose_architecture(names, release: dict, requested, src: Path,
+                        option: str = "--architecture") -> str:
+    """`requested` (--architecture), else what config.json names, else the one architecture
+    the tensors fit; a choice the tensors contradict, or a guess they cannot confirm, is
+    refused (importing an ODE model as vanilla gives wrong logits with no error)."""
+    named = release.get("architecture")  # an IIETConfig field; the authors' LlamaConfig has none
+    if requested and named and requested != named:
+        raise ReleaseImportError(f"{option} {requested} contradicts {src / 'config.json'}, "
+                                 f"which names {named}")
+    choice = requested or named
+    source = option if requested else f"architecture (of {src / 'config.json'})"
+    if choice is not None and choice not in architecture_names():
+        raise ReleaseImportError(f"{source} {choice!r} is not one of {', '.join(architecture_names())}")
+    fitting = fitting_architectures(names, release)
+    if choice is not None:
+        if fitting and choice not in fitting:
+            raise ReleaseImportError(f"{source} {choice} does not fit the tensors of {src}: "
+                                     f"they are those of {' or '.join(fitting)}")
+        return choice  # when nothing fits, check_tensors names what is missing or unexpected
+    if len(fitting) > 1:
+        raise ReleaseImportError(f"{src}: its tensors fit {', '.join(fitting)} alike and "
+                                 f"config.json does not say which; pass {option} "
+                                 f"{' | '.join(fitting)}")
+    return fitting[0] if fitting else detect_architecture(names)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -258,12 +314,15 @@ def write_atomically(dst: Path, force: bool, fill) -> Path:
     return dst
 
 
-def import_release(src, dst, iterations=None, force=False, dtype=None, max_shard_size="5GB") -> Path:
-    """Convert the release folder `src` into an exported IIET folder `dst`; returns dst."""
+def import_release(src, dst, iterations=None, force=False, dtype=None, max_shard_size="5GB",
+                   architecture=None) -> Path:
+    """Convert the release folder `src` into an exported IIET folder `dst`; returns dst.
+    `architecture` is needed where the tensors fit several (a plain LLaMA: vanilla, ode_rk2,
+    ode_rk4) and config.json does not name one."""
     src = Path(src)
     release_config = read_release_config(src)
     tensors = load_tensors(find_weight_files(src))
-    architecture = detect_architecture(tensors)
+    architecture = choose_architecture(tensors, release_config, architecture, src)
     config = build_config(release_config, architecture, iterations)
     model = assemble_model(check_tensors(tensors, config), config, dtype)
 
@@ -281,7 +340,9 @@ __all__ = [
     "TOKENIZER_FILES",
     "build_config",
     "check_tensors",
+    "choose_architecture",
     "detect_architecture",
+    "fitting_architectures",
     "find_weight_files",
     "import_release",
     "load_tensors",

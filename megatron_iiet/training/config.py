@@ -138,6 +138,16 @@ class EvalSection:
     interval: int = 0
     """Validate every N steps (0: only at the end)."""
     steps: int = 4
+    tasks: list[str] = field(default_factory=list)
+    """lm-eval tasks scored on the live model during training (names, or "paper" for the
+    paper's suite; docs/evaluation.md). Empty: none."""
+    tasks_interval: int = 0
+    """Run eval.tasks every N steps (0: only at the end of the run)."""
+    tasks_limit: Optional[float] = 64
+    """Examples per task (lm-eval's --limit: a count, or a fraction < 1); null: all."""
+    tasks_batch_size: int = 8
+    tasks_data_dir: Optional[str] = None
+    """Folder with the task files (default: ../shared/data beside the repo, $IIET_EVAL_DATA)."""
 
 
 @dataclass
@@ -332,6 +342,11 @@ def validate(cfg: TrainConfig, world_size: Optional[int] = None) -> None:
     if cfg.checkpoint.keep_last < 0:
         raise ValueError(f"checkpoint.keep_last: must be >= 0 (0 keeps all), got "
                          f"{cfg.checkpoint.keep_last}")
+    ev = cfg.eval
+    if ev.tasks_interval < 0 or ev.tasks_batch_size < 1:
+        raise ValueError("eval.tasks_interval must be >= 0 and eval.tasks_batch_size >= 1")
+    if ev.tasks_limit is not None and ev.tasks_limit <= 0:
+        raise ValueError(f"eval.tasks_limit: must be positive (or null: all), got {ev.tasks_limit}")
     if cfg.schedule.warmup_steps >= cfg.schedule.train_steps:
         raise ValueError("schedule.warmup_steps: must be shorter than schedule.train_steps")
     _check_model(cfg)

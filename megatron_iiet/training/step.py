@@ -119,6 +119,17 @@ def forward_backward(
         batch = next(data_iterator)
         return objective.forward(model, batch), lambda output: objective.loss(batch, output)
 
+    metrics = _run_schedule(model, micro_batches, forward_step, forward_only)
+    if not forward_only and getattr(model, "config", None) is not None:
+        if model.config.finalize_model_grads_func is None:
+            allreduce_cross_stage_grads([model])
+    return [{k: float(v) for k, v in m.items()} for m in metrics]
+
+
+def _run_schedule(model, micro_batches: list[dict], forward_step, forward_only: bool,
+                  collect_non_loss_data: bool = False) -> list:
+    """megatron's schedule for this layout (no pipelining or 1F1B) over ``micro_batches``;
+    what crosses a stage boundary is widened to carry the cross-layer history."""
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     schedule = get_forward_backward_func()
     b, s = micro_batches[0]["input_ids"].shape
@@ -126,7 +137,7 @@ def forward_backward(
     if pp > 1:
         unwrapped = get_attr_wrapped_model(model, "pipeline_tensor_shapes", return_model_obj=True)
         kwargs["adjust_tensor_shapes_fn"] = unwrapped.pipeline_tensor_shapes
-    metrics = schedule(
+    return schedule(
         forward_step_func=forward_step,
         data_iterator=iter(micro_batches),
         model=[model],
@@ -134,9 +145,22 @@ def forward_backward(
         seq_length=s,
         micro_batch_size=b,
         forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data,
         **kwargs,
     )
-    if not forward_only and getattr(model, "config", None) is not None:
-        if model.config.finalize_model_grads_func is None:
-            allreduce_cross_stage_grads([model])
-    return [{k: float(v) for k, v in m.items()} for m in metrics]
+
+
+def forward_only(model, micro_batches: list[dict], forward: Callable, reduce: Callable) -> list:
+    """The model over ``micro_batches`` without gradients, at any TP/PP layout.
+
+    ``forward(model, batch)`` returns what the model returns (logits on the last stage);
+    ``reduce(batch, output)`` runs on the last stage and its results come back, one per
+    micro-batch (an empty list on other stages). Evaluation and generation are built on it.
+    """
+    def forward_step(data_iterator: Iterator, model):
+        batch = next(data_iterator)
+        return forward(model, batch), lambda output, non_loss_data=True: reduce(batch, output)
+
+    with torch.no_grad():
+        return _run_schedule(model, micro_batches, forward_step, forward_only=True,
+                             collect_non_loss_data=True)

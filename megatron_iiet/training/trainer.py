@@ -198,6 +198,16 @@ def train(cfg: TrainConfig, objective=None, callbacks: tuple[Callback, ...] = ()
                 lock.release()
 
 
+def _task_evaluation(cfg: TrainConfig, tokenizer) -> Callback:
+    """eval.tasks checked (names, data files) before anything is trained."""
+    from megatron_iiet.distributed import on_rank0
+    from megatron_iiet.eval.callback import TaskEvaluationCallback
+    from megatron_iiet.eval.tasks import resolve_tasks
+
+    tasks = on_rank0(lambda: resolve_tasks(cfg.eval.tasks, cfg.eval.tasks_data_dir))
+    return TaskEvaluationCallback(cfg.eval, tasks, tokenizer, cfg.data.seq_length)
+
+
 def build_trainer(cfg: TrainConfig, preemption, objective=None,
                   extra_callbacks: Optional[list[Callback]] = None) -> Trainer:
     from megatron.core import parallel_state
@@ -229,6 +239,7 @@ def build_trainer(cfg: TrainConfig, preemption, objective=None,
     if load_path is not None:
         ckpt.check_compatible(ckpt.read_meta(load_path), model_config,
                               sources.tokenizer.fingerprint, load_path, par.engine, model_only)
+    task_callback = _task_evaluation(cfg, sources.tokenizer) if cfg.eval.tasks else None
     train_ds, valid_ds = build_datasets(cfg, sources)
     manager = ckpt.CheckpointManager(str(root), cfg.checkpoint.keep_last,
                                      cfg.checkpoint.async_save, replaces=overwritten, log=say)
@@ -283,9 +294,9 @@ def build_trainer(cfg: TrainConfig, preemption, objective=None,
     callbacks += [CheckpointRecords(cfg.checkpoint.async_save),
                   CheckpointCallback(manager, cfg.checkpoint.save_interval,
                                      state.step if load_path is not None else None),
-                  *(extra_callbacks or ())]
+                  *([task_callback] if task_callback else []), *(extra_callbacks or ())]
     meta_extra = {"config": cfg.to_dict(), "tokenizer_fingerprint": sources.tokenizer.fingerprint,
-                  "tokenizer": str(sources.tokenizer.path),
+                  "tokenizer": str(Path(sources.tokenizer.path).resolve()),
                   "architecture": ckpt.architecture_signature(model_config)}
     return Trainer(engine, state, batches(), evaluate, reporter, callbacks,
                    cfg.schedule.train_steps, par.global_batch_size, meta_extra,

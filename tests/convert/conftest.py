@@ -69,10 +69,10 @@ def converted(checkpoints, tmp_path_factory):
     return out
 
 
-def run_cli(*args, timeout=300, env=None):
+def run_cli(*args, timeout=300, env=None, cwd=REPO):
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     return subprocess.run([sys.executable, str(REPO / "tools" / "convert_checkpoint.py"),
-                           *map(str, args)], cwd=REPO, env=full_env, capture_output=True,
+                           *map(str, args)], cwd=cwd, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
 
 

@@ -8,11 +8,12 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.convert.conftest import hf_state, run_cli
+from tests.convert.conftest import REPO, hf_state, run_cli
 from tests.convert.workers import TOKENIZER_VOCAB, input_ids
 from tests.training.conftest import base_overrides, check_ok, launch, records
 
@@ -99,13 +100,17 @@ def test_tp2_conversion_continues_training(checkpoints, converted, corpus, tmp_p
         "model.share_embeddings_and_output_weights": False,
         "optimizer.lr": "1.0e-30", "optimizer.min_lr": 0.0, "schedule.train_steps": 2,
         "schedule.warmup_steps": 1, "checkpoint.load": str(meg),
-        "checkpoint.dir": str(run / "checkpoints"), "eval.steps": 1})
+        "checkpoint.dir": str(run / "checkpoints"), "eval.steps": 1,
+        # relative to the directory launch() trains in: meta.json must store it resolved
+        "data.tokenizer": os.path.relpath(corpus.tokenizer_model, REPO)})
     check_ok(launch(overrides, nproc=1))  # a lone process picks a free port itself
     resumed = records(run, "resume")
     assert resumed and resumed[0]["step"] == 0
     assert [r["step"] for r in records(run, "train")] == [1, 2]
     end = records(run, "end")[-1]
     assert end["step"] == 2 and end["params_sha256"] == (converted / "digest.txt").read_text()
+    saved = json.loads((run / "checkpoints" / "iter_0000002" / "meta.json").read_text())
+    assert saved["tokenizer"] == str(Path(corpus.tokenizer_model).resolve())
 
 
 @pytest.mark.parametrize("dtype,torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])

@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from hf_helpers import tiny_model, weights
 from hf_spec_reference import reference_logits
 from megatron_iiet.hf import IIETForCausalLM
 from megatron_iiet.hf.release_import import ReleaseImportError, import_release
@@ -125,13 +126,7 @@ def test_pcformer_release_is_detected(tmp_path):
 
 
 def test_cli_runs_and_respects_force(tmp_path):
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(
-        "import_release_cli", Path(__file__).resolve().parents[2] / "tools" / "import_release.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = load_cli()
     src = write_release(tmp_path / "release", release_tensors("iiet"))
     out = tmp_path / "out"
     assert cli.main([str(src), str(out), "--iterations", "1"]) == 0
@@ -201,3 +196,95 @@ def test_iterations_rejected_for_pcformer(tmp_path):
     src = write_release(tmp_path / "release", release_tensors("pcformer"))
     with pytest.raises(ReleaseImportError, match="only apply to IIET"):
         import_release(src, tmp_path / "out", iterations=2)
+
+
+# ---- architectures the tensors cannot tell apart ----------------------------------------------
+def release_of(model, folder):
+    """`model`'s weights in the release layout: a plain LlamaConfig, which names no architecture."""
+    return write_release(folder, weights(model), tied=model.config.tie_word_embeddings)
+
+
+def load_cli():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "import_release_cli", Path(__file__).resolve().parents[2] / "tools" / "import_release.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    return cli
+
+
+@pytest.mark.parametrize("arch", ["ode_rk2", "ode_rk4"])
+def test_ode_release_needs_its_architecture(tmp_path, capsys, arch):
+    """An ODE model's tensors are a plain LLaMA's: guessing vanilla would give other logits, so
+    the import is refused until --architecture names it, and then matches the source."""
+    source = tiny_model(seed=12, architecture=arch)
+    src = release_of(source, tmp_path / "release")
+    cli, out = load_cli(), tmp_path / "out"
+    with pytest.raises(SystemExit) as refused:
+        cli.main([str(src), str(out)])
+    assert refused.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert "vanilla, ode_rk2, ode_rk4" in lines[0] and "--architecture" in lines[0]
+    assert not out.exists()
+
+    assert cli.main([str(src), str(out), "--architecture", arch]) == 0
+    model, got = imported_logits(out)
+    assert model.config.architecture == arch
+    with torch.no_grad():
+        want = source(TOKENS).logits
+    assert (got - want).abs().max().item() < 1e-5
+    # The guess refused above would have loaded without complaint, and been wrong.
+    vanilla = import_release(src, tmp_path / "vanilla", architecture="vanilla")
+    assert (imported_logits(vanilla)[1] - want).abs().max().item() > 1e-2
+
+
+def test_architecture_must_fit_the_tensors(tmp_path):
+    plain = release_of(tiny_model(seed=13, architecture="ode_rk2"), tmp_path / "plain")
+    for wrong in ("iiet", "ode_rk2_gated", "pcformer_rk2"):
+        with pytest.raises(ReleaseImportError, match=f"--architecture {wrong} does not fit the "
+                                                     "tensors.*vanilla or ode_rk2 or ode_rk4"):
+            import_release(plain, tmp_path / "out", architecture=wrong)
+    gated_source = tiny_model(seed=14, architecture="ode_rk2_gated")
+    gated = release_of(gated_source, tmp_path / "gated")
+    with pytest.raises(ReleaseImportError, match="--architecture ode_rk2 does not fit.*ode_rk2_gated"):
+        import_release(gated, tmp_path / "out", architecture="ode_rk2")
+    history = write_release(tmp_path / "history", release_tensors("iiet"))
+    with pytest.raises(ReleaseImportError, match="--architecture vanilla does not fit.*those of iiet$"):
+        import_release(history, tmp_path / "out", architecture="vanilla")
+    assert not (tmp_path / "out").exists()
+    # Gate tensors fit one architecture only: no --architecture needed.
+    model, got = imported_logits(import_release(gated, tmp_path / "out"))
+    assert model.config.architecture == "ode_rk2_gated"
+    with torch.no_grad():
+        assert (got - gated_source(TOKENS).logits).abs().max().item() < 1e-5
+
+
+def test_a_config_naming_the_architecture_settles_it(tmp_path):
+    """A folder of ours (IIETConfig names `architecture`) needs no flag; a flag contradicting
+    its config is refused."""
+    source = tiny_model(seed=15, architecture="ode_rk4")
+    source.save_pretrained(tmp_path / "ours")
+    model, got = imported_logits(import_release(tmp_path / "ours", tmp_path / "out"))
+    assert model.config.architecture == "ode_rk4"
+    with torch.no_grad():
+        assert (got - source(TOKENS).logits).abs().max().item() < 1e-5
+    with pytest.raises(ReleaseImportError, match="--architecture ode_rk2 contradicts .*config.json"
+                                                 ", which names ode_rk4"):
+        import_release(tmp_path / "ours", tmp_path / "out2", architecture="ode_rk2")
+
+
+def test_hf_to_megatron_reads_an_ode_release_only_when_told(tmp_path):
+    """`convert_checkpoint.py hf-to-megatron` on the release layout makes the same choice:
+    refused without --expect-architecture, the named ODE model with it."""
+    from megatron_iiet.hf.checks import ConversionError
+    from megatron_iiet.hf.hf_to_megatron import read_hf_folder
+
+    src = release_of(tiny_model(seed=16, architecture="ode_rk4"), tmp_path / "release")
+    with pytest.raises(ConversionError, match="fit vanilla, ode_rk2, ode_rk4 alike.*pass "
+                                              "--expect-architecture"):
+        read_hf_folder(src)
+    config, _ = read_hf_folder(src, architecture="ode_rk4")
+    assert config.architecture == "ode_rk4"

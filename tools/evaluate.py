@@ -1,0 +1,121 @@
+#!/usr/bin/env python
+"""Zero-shot evaluation with lm-evaluation-harness, on local task data.
+
+    # a megatron checkpoint (native `iiet` backend), at any TP/PP; extra ranks are data-parallel
+    torchrun --nproc-per-node 2 tools/evaluate.py --checkpoint RUN/checkpoints --tp 2 \
+        --tasks paper --output eval/run1
+    # an HF export (lm-eval's own `hf` backend), one process
+    python tools/evaluate.py --hf EXPORT --tasks piqa,arc_easy --limit 200 --output eval/hf
+
+--tasks: task names (wikitext, lambada_openai, piqa, hellaswag, winogrande, arc_easy,
+arc_challenge, boolq, openbookqa, sciq) or `paper` for the paper's suite. The task files are
+read from --data-dir (default: ../shared/data beside the repository, or $IIET_EVAL_DATA).
+Writes OUTPUT/results.json (lm-eval's results) and OUTPUT/results.md (the paper's table and every
+metric). Details: docs/evaluation.md.
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_iiet.cli import fail  # noqa: E402
+from megatron_iiet.errors import OperatorError  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--checkpoint", help="megatron checkpoint: iter_* folder or checkpoint root")
+    model.add_argument("--hf", help="HF folder (e.g. tools/convert_checkpoint.py megatron-to-hf)")
+    parser.add_argument("--tasks", default="paper", help="comma list, or 'paper' (default)")
+    parser.add_argument("--limit", type=float, default=None,
+                        help="examples per task (an int), or a fraction < 1")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--output", type=Path, required=True, help="folder for results.json/.md")
+    parser.add_argument("--data-dir", default=None, help="folder with the task files")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (native backend)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (native backend)")
+    parser.add_argument("--tokenizer", default=None, help="override the checkpoint's tokenizer")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="context length (default: the model's sequence length)")
+    parser.add_argument("--bootstrap-iters", type=int, default=1000,
+                        help="bootstrap resamples for perplexity stderr (lm-eval's default: 100000)")
+    parser.add_argument("--dtype", default="float32", help="HF backend weights dtype")
+    parser.add_argument("--label", default=None, help="row label of the table")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def _limit(value):
+    if value is None:
+        return None
+    if value <= 0:
+        raise OperatorError(f"--limit {value}: must be positive")
+    return int(value) if value >= 1 else value
+
+
+def native_lm(args):
+    from megatron_iiet.eval.native_lm import IIETMegatronLM
+
+    return IIETMegatronLM(checkpoint=args.checkpoint, tokenizer=args.tokenizer,
+                          batch_size=args.batch_size, max_length=args.max_length,
+                          tensor_parallel=args.tp, pipeline_parallel=args.pp,
+                          progress=not args.no_progress)
+
+
+def hf_lm(args):
+    from lm_eval.models.huggingface import HFLM
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise OperatorError("--hf runs in one process (launch it without torchrun)")
+    folder = Path(args.hf)
+    if not (folder / "config.json").is_file():
+        raise OperatorError(f"--hf {folder}: not an HF model folder (no config.json)")
+    kwargs = {"max_length": args.max_length} if args.max_length else {}
+    return HFLM(pretrained=str(folder), trust_remote_code=True, batch_size=args.batch_size,
+                device="cuda" if _cuda() else "cpu", dtype=args.dtype, **kwargs)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    try:
+        from megatron_iiet.eval.harness import run_tasks, write_reports
+        from megatron_iiet.eval.tasks import resolve_tasks
+
+        if args.batch_size < 1:
+            raise OperatorError(f"--batch-size {args.batch_size}: must be >= 1")
+        limit = _limit(args.limit)
+        tasks = resolve_tasks([t for t in args.tasks.split(",") if t], args.data_dir)
+        lm = native_lm(args) if args.checkpoint else hf_lm(args)
+        label = args.label or Path(args.checkpoint or args.hf).name
+        work = lambda: run_tasks(lm, tasks, limit, args.data_dir, args.bootstrap_iters)  # noqa: E731
+        results = lm.scorer.drive(work) if args.checkpoint else work()
+    except OperatorError as err:
+        fail(err)
+    finally:
+        if args.checkpoint:
+            from megatron_iiet.distributed import teardown
+
+            teardown()
+    if results is None:  # a serving rank of the native backend
+        return 0
+    json_path, md_path = write_reports(results, args.output, label, limit)
+    print(Path(md_path).read_text().split("\n## ")[0])
+    print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+if __name__ == "__main__":  # the guard matters: dist_checkpointing's reader re-imports __main__
+    sys.exit(main())
