@@ -77,6 +77,17 @@ def gpu_only_refusal(feature: str):
     return None if cuda_available() else f"needs CUDA ({_GPU_ONLY[feature]})"
 
 
+def name_deepspeed_accelerator() -> None:
+    """Without CUDA, tell DeepSpeed it is on the CPU (``DS_ACCELERATOR=cpu``, unless the user
+    chose one): its import, which transformers' accelerate integration triggers while saving or
+    loading a model, would otherwise probe for a GPU and print a warning on stdout. Call it
+    before DeepSpeed is imported; a no-op with CUDA."""
+    import os
+
+    if not cuda_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def install_deepspeed_cpu_compat() -> None:
     """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce (~50 s) used only by
     inference kernels; training collectives go through torch.distributed (gloo) either way, so

@@ -70,6 +70,9 @@ def build_parser():
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from megatron_iiet.platform import name_deepspeed_accelerator
+
+    name_deepspeed_accelerator()  # before anything imports DeepSpeed
     from transformers.utils import logging as hf_logging
 
     from megatron_iiet.cli import fail

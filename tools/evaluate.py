@@ -88,6 +88,9 @@ def _cuda() -> bool:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from megatron_iiet.platform import name_deepspeed_accelerator
+
+    name_deepspeed_accelerator()  # before anything imports DeepSpeed
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     try:

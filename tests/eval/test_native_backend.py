@@ -1,5 +1,5 @@
 """The native `iiet` lm-eval backend against lm-eval's own `hf` backend on the export of the same
-checkpoint, at TP=1, TP=2, PP=2 and DP=2, at batch sizes 1 and 8."""
+checkpoint, at TP=2, PP=2 and TP=1 with DP=2, at batch sizes 1 and 8."""
 
 import math
 
@@ -42,37 +42,31 @@ def _assert_same(got, want, tol, where):
 
 
 @pytest.fixture(scope="module")
-def single(trained):
-    return spawn_local(workers.single_rank, 1, timeout_s=400, checkpoint=str(trained[1]),
-                       text=workers.CODE[1])[0]
-
-
-@pytest.fixture(scope="module")
-def native(trained, single):
-    ckpt = str(trained[1])
-    results = {"single": single["scores"]}
-    # two ranks: TP=2, then PP=2, then TP=1/PP=1 with the 2 ranks data-parallel
-    results.update(spawn_local(workers.score_at_layouts, 2, timeout_s=400, checkpoint=ckpt,
-                               layouts=[(2, 1), (1, 2), (1, 1)])[0])
-    return results
+def native(trained):
+    """Two ranks: TP=2 (and the model's own loss there), PP=2, then TP=1 with the two ranks
+    data-parallel."""
+    return spawn_local(workers.score_at_layouts, 2, timeout_s=400, checkpoint=str(trained[1]),
+                       layouts=[(2, 1), (1, 2), (1, 1)], own_loss_text=workers.CODE[1])[0]
 
 
 @pytest.mark.distributed
 def test_native_matches_hf_at_every_layout_and_batch_size(native, exported):
     hf = _hf_results(exported)
     _assert_same(hf[8], hf[1], BATCH_TOL, "hf batch 8 vs 1")
-    layouts = {"single": "TP=1 (1 rank)", "1,1": "TP=1, DP=2", "2,1": "TP=2", "1,2": "PP=2"}
-    assert set(native) == set(layouts)
-    for key, results in native.items():
-        _assert_same(results[8], results[1], BATCH_TOL, f"native {layouts[key]} batch 8 vs 1")
-        _assert_same(results[1], hf[1], LOGPROB_TOL, f"native {layouts[key]} vs hf")
+    layouts = {"1,1": "TP=1, DP=2", "2,1": "TP=2", "1,2": "PP=2"}
+    assert set(native) == {*layouts, "own_loss"}
+    for key, label in layouts.items():
+        results = native[key]
+        _assert_same(results[8], results[1], BATCH_TOL, f"native {label} batch 8 vs 1")
+        _assert_same(results[1], hf[1], LOGPROB_TOL, f"native {label} vs hf")
     # the requests are not degenerate: finite, negative, different from each other
     values = [lp for lp, _ in hf[1]["loglikelihood"]]
     assert all(math.isfinite(v) and v < 0 for v in values) and len(set(values)) == len(values)
     assert all(isinstance(t, str) for t in hf[1]["generate"])
 
 
-def test_rolling_loglikelihood_is_the_models_summed_token_loss(single):
-    got = single["own_loss"]
+@pytest.mark.distributed
+def test_rolling_loglikelihood_is_the_models_summed_token_loss(native):
+    got = native["own_loss"]  # at TP=2
     assert got["tokens"] > 10
     assert abs(got["rolling"] + got["loss_sum"]) <= 1e-4 * abs(got["loss_sum"]), got

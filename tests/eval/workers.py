@@ -37,8 +37,9 @@ def run_all(lm) -> dict:
     return out
 
 
-def score_at_layouts(checkpoint: str, layouts: list) -> dict:
-    """{"tp,pp": run_all results} on rank 0 (None elsewhere), each layout in turn."""
+def score_at_layouts(checkpoint: str, layouts: list, own_loss_text: str = "") -> dict:
+    """{"tp,pp": run_all results} on rank 0 (None elsewhere), each layout in turn; with
+    ``own_loss_text``, also "own_loss" (see ``own_token_loss``) at the first layout."""
     from megatron.core import parallel_state as ps
 
     from megatron_iiet.distributed import seed_everything
@@ -52,23 +53,16 @@ def score_at_layouts(checkpoint: str, layouts: list) -> dict:
         lm = IIETMegatronLM(checkpoint=checkpoint, tensor_parallel=tp, pipeline_parallel=pp,
                             progress=False)
         results[f"{tp},{pp}"] = lm.scorer.drive(lambda: run_all(lm))
+        if own_loss_text and "own_loss" not in results:
+            results["own_loss"] = own_token_loss(lm, own_loss_text)
     return results
 
 
-def single_rank(checkpoint: str, text: str) -> dict:
-    """One process: the requests at TP=1, and the model's own loss on ``text``."""
-    return {"scores": score_at_layouts(checkpoint, [(1, 1)])["1,1"],
-            "own_loss": own_token_loss(checkpoint, text)}
-
-
-def own_token_loss(checkpoint: str, text: str) -> dict:
+def own_token_loss(lm, text: str) -> dict:
     """The megatron model's summed next-token loss on [prefix] + text (one window), next to
-    the backend's loglikelihood_rolling of the text."""
+    the backend's loglikelihood_rolling of the text (every rank of a PP=1 layout calls it)."""
     import torch
 
-    from megatron_iiet.eval.native_lm import IIETMegatronLM
-
-    lm = IIETMegatronLM(checkpoint=checkpoint, progress=False)
     tokens = [lm.prefix_token_id] + lm.tok_encode(text)
     assert len(tokens) <= lm.max_length + 1
     ids = torch.tensor([tokens[:-1]])
@@ -77,5 +71,5 @@ def own_token_loss(checkpoint: str, text: str) -> dict:
         per_token = lm.scorer.model(ids, labels=labels)
     rolling = lm.scorer.drive(
         lambda: lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)]))
-    return {"loss_sum": float(per_token.double().sum()), "rolling": rolling[0],
-            "tokens": len(tokens) - 1}
+    return {"loss_sum": float(per_token.double().sum()),
+            "rolling": rolling[0] if rolling else None, "tokens": len(tokens) - 1}
