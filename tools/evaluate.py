@@ -80,6 +80,12 @@ def hf_lm(args):
                 device="cuda" if _cuda() else "cpu", dtype=args.dtype, **kwargs)
 
 
+def _default_label(path: Path) -> str:
+    """The run's name for a checkpoint root (RUN/checkpoints), else the folder's name."""
+    resolved = path.resolve()
+    return resolved.parent.name if resolved.name == "checkpoints" else resolved.name
+
+
 def _cuda() -> bool:
     import torch
 
@@ -102,7 +108,7 @@ def main(argv=None) -> int:
         limit = _limit(args.limit)
         tasks = resolve_tasks([t for t in args.tasks.split(",") if t], args.data_dir)
         lm = native_lm(args) if args.checkpoint else hf_lm(args)
-        label = args.label or Path(args.checkpoint or args.hf).name
+        label = args.label or _default_label(Path(args.checkpoint or args.hf))
         work = lambda: run_tasks(lm, tasks, limit, args.data_dir, args.bootstrap_iters)  # noqa: E731
         results = lm.scorer.drive(work) if args.checkpoint else work()
     except OperatorError as err:
