@@ -45,11 +45,12 @@ def train_config_from_dict(tree: dict):
     return TrainConfig(**values)
 
 
-def single_process_model_config(train_cfg, vocab_size: int):
-    """The model config of a saved training config, rebuilt at TP=1/PP=1 (no recompute)."""
+def single_process_model_config(train_cfg, vocab_size: int, tensor: int = 1, pipeline: int = 1):
+    """The model config of a saved training config, rebuilt for inference (no recompute) at
+    TP=``tensor``/PP=``pipeline`` (default one process)."""
     from megatron_iiet.training.config import build_model_config
 
-    par = dataclasses.replace(train_cfg.parallel, tensor=1, pipeline=1)
+    par = dataclasses.replace(train_cfg.parallel, tensor=tensor, pipeline=pipeline)
     model = dataclasses.replace(train_cfg.model, recompute_granularity=None,
                                 recompute_method=None, recompute_num_layers=None,
                                 iteration_checkpointing="none")
@@ -57,7 +58,7 @@ def single_process_model_config(train_cfg, vocab_size: int):
         return build_model_config(dataclasses.replace(train_cfg, parallel=par, model=model),
                                   vocab_size)
     except ValueError as err:
-        raise ConversionError(f"model config: {err}") from err
+        raise ConversionError(f"model config at TP={tensor}/PP={pipeline}: {err}") from err
 
 
 @contextlib.contextmanager
@@ -105,10 +106,20 @@ def check_rebuilds(meta: dict, model_cfg, ckpt: Path) -> None:
                               f"architecture (saved, rebuilt): {diffs}")
 
 
-def load_megatron_checkpoint(ckpt: Path, meta: dict):
-    """(TP=1/PP=1 model config, {megatron full name: tensor}) of a checkpoint of any layout."""
+def load_model_tensors(model, ckpt: Path) -> None:
+    """This rank's share of a checkpoint's model tensors, resharded to the model's layout."""
     from megatron.core import dist_checkpointing
 
+    try:
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt))
+    except Exception as err:  # megatron's errors are long; keep the cause, name the folder
+        raise ConversionError(f"{ckpt}: cannot read the model tensors: "
+                              f"{str(err).splitlines()[0][:300]}") from err
+    model.load_state_dict(loaded["model"])
+
+
+def load_megatron_checkpoint(ckpt: Path, meta: dict):
+    """(TP=1/PP=1 model config, {megatron full name: tensor}) of a checkpoint of any layout."""
     from megatron_iiet.model.gpt import IIETGPTModel
 
     train_cfg = train_config_from_dict(meta["config"])
@@ -116,12 +127,7 @@ def load_megatron_checkpoint(ckpt: Path, meta: dict):
     check_rebuilds(meta, model_cfg, ckpt)
     with one_process_group():
         model = IIETGPTModel(model_cfg)
-        try:
-            loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt))
-        except Exception as err:  # megatron's errors are long; keep the cause, name the folder
-            raise ConversionError(f"{ckpt}: cannot read the model tensors: "
-                                  f"{str(err).splitlines()[0][:300]}") from err
-        model.load_state_dict(loaded["model"])
+        load_model_tensors(model, ckpt)
         tensors = {n: p.detach().clone() for n, p in model.named_parameters()}
     return model_cfg, tensors
 
