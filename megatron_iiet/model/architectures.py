@@ -1,8 +1,9 @@
 """The architectures of the spec, each declared once: its step, its passes, its parameters.
 
-A step maps one layer's input ``x`` and the history states so far to the layer output and the
-updated states. It calls ``run(u)`` (one pass of the layer's block) as often as it declares in
-``passes``; ``run`` owns checkpointing and pass bookkeeping.
+A step maps one layer's input ``x`` to the layer output; architectures with the cross-layer
+history also get the layer's view of it (``history.pop``, ``history.finish``). It calls
+``run(u)`` (one pass of the layer's block) as often as it declares in ``passes``; ``run`` owns
+checkpointing and pass bookkeeping.
 
 What an architecture adds to the shared block (the history rows, the RK2 gate, PCformer's
 model-wide alpha and stage norms) is declared with it as ``Parameters``: the module stack.py
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 from torch import nn
 
-from megatron_iiet.model.history import LayerHistoryParams
+from megatron_iiet.model.history import LayerHistory, LayerHistoryParams
 
 if TYPE_CHECKING:
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -31,13 +32,10 @@ if TYPE_CHECKING:
     from megatron_iiet.model.config import IIETTransformerConfig
     from megatron_iiet.model.ode_step import PassRunner
 
-States = list[torch.Tensor]
-
-
 @dataclass(frozen=True)
 class StepInputs:
     x: torch.Tensor
-    states: States
+    history: Optional[LayerHistory]  # the layer's view of the history (uses_history only)
     run: PassRunner
     layer: nn.Module  # the ODELayer: its block and its architecture's layer parameters by name
     shared: Optional[nn.Module]  # the architecture's model-wide parameters (decoder.shared)
@@ -90,7 +88,7 @@ class Architecture:
     """One registry entry: everything the stack, the config checks, FLOPs and conversion need."""
 
     name: str
-    step: Callable[[StepInputs], tuple[torch.Tensor, States]]
+    step: Callable[[StepInputs], torch.Tensor]
     passes: Callable[[int], int]  # iterations of the layer -> passes of its block
     formulation: Optional[str] = None  # one of several forms of the same architecture (IIET)
     iterates: bool = False  # each layer takes `iterations` (E-IIET plans); else they are 0
@@ -159,20 +157,20 @@ def pcformer_shared(stages: int) -> Parameters:
 
 # ---- steps ----------------------------------------------------------------------------------
 def _vanilla(s: StepInputs):
-    return s.run(s.x), s.states
+    return s.run(s.x)
 
 
 def _rk2(s: StepInputs):
     f1 = s.run.residual(s.x)
     f2 = s.run.residual(s.x + f1)
-    return s.x + 0.5 * (f1 + f2), s.states
+    return s.x + 0.5 * (f1 + f2)
 
 
 def _rk2_gated(s: StepInputs):
     f1 = s.run.residual(s.x)
     f2 = s.run.residual(s.x + f1)
     g = torch.sigmoid(s.layer.gate(torch.cat([f1, f2], dim=-1)))
-    return s.x + g * f1 + (1.0 - g) * f2, s.states
+    return s.x + g * f1 + (1.0 - g) * f2
 
 
 def _rk4(s: StepInputs):
@@ -181,7 +179,7 @@ def _rk4(s: StepInputs):
     f2 = run.residual(x + 0.5 * f1)
     f3 = run.residual(x + 0.5 * f2)
     f4 = run.residual(x + f3)
-    return x + (f1 + 2.0 * f2 + 2.0 * f3 + f4) / 6.0, s.states
+    return x + (f1 + 2.0 * f2 + 2.0 * f3 + f4) / 6.0
 
 
 def _pcformer_predictor(s: StepInputs) -> torch.Tensor:
@@ -204,25 +202,25 @@ def _pcformer_predictor(s: StepInputs) -> torch.Tensor:
 
 
 def _pcformer(s: StepInputs):
-    history = s.layer.history
-    states = s.states + [history.predictor_norm(_pcformer_predictor(s))]
-    states[-1] = s.run(history.pop(states), norm=history.corrector_norm)
-    return history.refine(states), states
+    history, norms = s.history, s.layer.history
+    state = norms.predictor_norm(_pcformer_predictor(s))
+    state = s.run(history.pop(state), norm=norms.corrector_norm)
+    return history.finish(state)
 
 
 def _iiet_history(s: StepInputs):
-    history = s.layer.history
-    states = s.states + [s.run(s.x, norm=history.predictor_norm)]
+    history, norms = s.history, s.layer.history
+    state = s.run(s.x, norm=norms.predictor_norm)
     for _ in range(s.iterations):
-        states[-1] = s.run(history.pop(states), norm=history.corrector_norm)
-    return history.refine(states), states
+        state = s.run(history.pop(state), norm=norms.corrector_norm)
+    return history.finish(state)
 
 
 def _iiet_fixed_point(s: StepInputs):
     y = s.run(s.x)  # explicit-Euler predictor y_0 = x + F(x)
     for _ in range(s.iterations):
         y = s.x + s.run.residual(y)
-    return y, s.states
+    return y
 
 
 def passes_fixed(n: int) -> Callable[[int], int]:

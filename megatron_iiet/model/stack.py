@@ -23,11 +23,7 @@ from torch import nn
 
 from megatron_iiet.model.architectures import Architecture, StepInputs, get_architecture
 from megatron_iiet.model.config import IIETTransformerConfig
-from megatron_iiet.model.history import (
-    pack_stage_output,
-    slices_crossing_boundary,
-    unpack_stage_input,
-)
+from megatron_iiet.model.history import History, slices_crossing_boundary
 from megatron_iiet.model.ode_step import PassRunner, checkpoint_with_rng_replay, checkpointed_passes
 
 
@@ -58,19 +54,19 @@ class ODELayer(MegatronModule):
     def forward(
         self,
         x: torch.Tensor,
-        states: list[torch.Tensor],
+        history: Optional[History],
         shared: Optional[nn.Module],
         block_kwargs: dict,
         checkpoint_passes: bool = True,
-    ):
+    ) -> torch.Tensor:
         mode = self.config.iteration_checkpointing if checkpoint_passes else "none"
         run = PassRunner(self.block, block_kwargs, checkpointed_passes(mode, self.passes))
-        out, new_states = self.architecture.step(
-            StepInputs(x=x, states=list(states), run=run, layer=self, shared=shared,
-                       iterations=self.iterations)
+        out = self.architecture.step(
+            StepInputs(x=x, history=history.layer(self.history) if history else None, run=run,
+                       layer=self, shared=shared, iterations=self.iterations)
         )
         run.finish()
-        return out, new_states
+        return out
 
 
 class ODEStack(MegatronModule):
@@ -136,10 +132,10 @@ class ODEStack(MegatronModule):
             return [list(range(i, min(i + k, n))) for i in range(0, n, k)]
         return [[i] for i in range(min(cfg.recompute_num_layers, n))]
 
-    def _run_layers(self, indices, x, states, block_kwargs, checkpoint_passes):
+    def _run_layers(self, indices, x, history, block_kwargs, checkpoint_passes):
         for i in indices:
-            x, states = self.layers[i](x, states, self.shared, block_kwargs, checkpoint_passes)
-        return x, states
+            x = self.layers[i](x, history, self.shared, block_kwargs, checkpoint_passes)
+        return x
 
     def forward(
         self,
@@ -147,15 +143,14 @@ class ODEStack(MegatronModule):
         attention_mask: Optional[torch.Tensor] = None,
         rotary_pos_emb: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        uses_history = self.architecture.uses_history
-        if self.pre_process:
-            x = hidden_states
-            states = [x] if uses_history else []
-        else:
-            packed = self.input_tensor
-            x, states = unpack_stage_input(
-                packed, packed.shape[0] // self.slices_received, uses_history
-            )
+        history = None
+        x = hidden_states if self.pre_process else self.input_tensor
+        if self.architecture.uses_history:
+            if self.pre_process:
+                history = History.start(x, self.slices_sent)
+            else:
+                x, history = History.receive(x, x.shape[0] // self.slices_received,
+                                             self.slices_sent)
         block_kwargs = {"attention_mask": attention_mask, "rotary_pos_emb": rotary_pos_emb}
 
         whole = {i: group for group in self._layers_recomputed_whole() for i in group[:1]}
@@ -165,19 +160,26 @@ class ODEStack(MegatronModule):
             if i in whole and torch.is_grad_enabled():
                 group = whole[i]
 
-                def run_group(x_, *states_, group=group):
-                    out, new = self._run_layers(group, x_, list(states_), block_kwargs, False)
-                    return (out, *new)
+                def run_group(x_, token, group=group):
+                    # The token is the history's state before the group: recomputing the
+                    # group in backward re-reads the buffer from there (see history.py).
+                    if history is not None:
+                        history.token = token
+                    out = self._run_layers(group, x_, history, block_kwargs, False)
+                    return out, history.token if history is not None else token
 
-                x, *states = checkpoint_with_rng_replay(run_group, x, *states)
+                token = history.token if history is not None else None
+                x, token = checkpoint_with_rng_replay(run_group, x, token)
+                if history is not None:
+                    history.token = token
                 i = group[-1] + 1
             else:
-                x, states = self._run_layers([i], x, states, block_kwargs, i not in covered)
+                x = self._run_layers([i], x, history, block_kwargs, i not in covered)
                 i += 1
 
         if self.post_process:
             return self.final_norm(x)
-        return pack_stage_output(x, states)
+        return history.send(x) if history is not None else x
 
     # ---- distributed checkpointing ---------------------------------------------------------
     def sharded_state_dict(

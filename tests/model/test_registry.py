@@ -27,7 +27,7 @@ SEQ, BATCH = 32, 2
 def midpoint_step(s):
     """x + F(x + F(x)/2): explicit midpoint (RK2) with the layer's block as F."""
     f1 = s.run.residual(s.x)
-    return s.x + s.run.residual(s.x + 0.5 * f1), s.states
+    return s.x + s.run.residual(s.x + 0.5 * f1)
 
 
 MIDPOINT = Architecture("midpoint", midpoint_step, passes_fixed(2))
