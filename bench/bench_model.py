@@ -102,7 +102,19 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--only", default=None,
+                   help="comma-separated labels to run (vanilla is always run: the baseline)")
+    p.add_argument("--checkpointing", nargs="+", default=CHECKPOINTING, choices=CHECKPOINTING)
     args = p.parse_args(argv)
+    if "none" not in args.checkpointing:
+        p.error("--checkpointing must include none (the baseline)")
+    configs = CONFIGS
+    if args.only:
+        wanted = {"vanilla", *args.only.split(",")}
+        configs = [c for c in CONFIGS if c[0] in wanted]
+        if len(configs) != len(wanted):
+            p.error(f"--only: unknown label among {sorted(wanted)}; labels: "
+                    f"{', '.join(c[0] for c in CONFIGS)}")
 
     torch.set_num_threads(args.threads)
     peak = gemm_flops_per_s()
@@ -113,8 +125,8 @@ def main(argv=None) -> int:
     print(f"shape: {shape}, fp32, {args.steps} timed steps after 1 warm-up, fresh process each\n")
 
     rows = []
-    for label, overrides in CONFIGS:
-        for ckpt in CHECKPOINTING:
+    for label, overrides in configs:
+        for ckpt in args.checkpointing:
             r = spawn_local(measure, 1, threads_per_rank=args.threads, timeout_s=1800,
                             overrides=dict(overrides, iteration_checkpointing=ckpt),
                             shape=dict(shape), steps=args.steps)[0]
