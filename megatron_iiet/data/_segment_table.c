@@ -2,7 +2,9 @@
  * join their memoised token ids, with no Python object per segment.
  *
  * A text is cut between two characters a, b when no vocabulary piece holds "ab" (bpe_cache.py says
- * why each segment then encodes on its own exactly as it does inside the text). Keys are the UTF-8
+ * why each segment then encodes on its own exactly as it does inside the text), except, when the
+ * table is given the characters that are vocabulary pieces, between two characters that are not
+ * (sentencepiece without byte fallback turns a run of those into one <unk>). Keys are the UTF-8
  * bytes of a segment; values its ids, already in the output dtype's bytes. The table grows up to
  * `max_entries` segments of at most `max_key_chars` characters and never evicts, so its memory is
  * bounded. Protocol per batch: scan(texts) -> missing segments; the caller encodes those and passes
@@ -152,37 +154,67 @@ static int table_insert(Table *t, const char *key, Py_ssize_t len, uint64_t hash
     return 0;
 }
 
+/* An open-addressing set of nonzero uint64 keys. */
+typedef struct {
+    uint64_t *keys;
+    size_t mask;
+} KeySet;
+
+static size_t keyset_slot(uint64_t key, size_t mask)
+{
+    return (key * 0x9E3779B97F4A7C15ULL) >> 20 & mask;
+}
+
+static int keyset_init(KeySet *set, Py_ssize_t count)
+{
+    size_t slots = 16;
+    while (slots < 2 * (size_t)count)
+        slots *= 2;
+    set->keys = PyMem_Calloc(slots, sizeof(uint64_t));
+    if (!set->keys) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    set->mask = slots - 1;
+    return 0;
+}
+
+static void keyset_add(KeySet *set, uint64_t key)
+{
+    size_t i = keyset_slot(key, set->mask);
+    while (set->keys[i] != 0 && set->keys[i] != key)
+        i = (i + 1) & set->mask;
+    set->keys[i] = key;
+}
+
+static int keyset_has(const KeySet *set, uint64_t key)
+{
+    for (size_t i = keyset_slot(key, set->mask);; i = (i + 1) & set->mask) {
+        if (set->keys[i] == key)
+            return 1;
+        if (set->keys[i] == 0)
+            return 0;
+    }
+}
+
 /* Character pairs that some vocabulary piece holds, U+2581 read as a space: ASCII pairs in a bit
- * matrix, the others in an open-addressing set of (a << 32 | b | 1 << 63). */
+ * matrix, the others in a set of (a << 32 | b | 1 << 63). */
 typedef struct {
     uint8_t ascii[128 * 128 / 8];
-    uint64_t *pairs;
-    size_t mask;
+    KeySet pairs;
 } Joinable;
 
 static int joinable_init(Joinable *j, const uint32_t *pairs, Py_ssize_t count)
 {
     memset(j->ascii, 0, sizeof(j->ascii));
-    size_t slots = 16;
-    while (slots < 2 * (size_t)count)
-        slots *= 2;
-    j->pairs = PyMem_Calloc(slots, sizeof(uint64_t));
-    if (!j->pairs) {
-        PyErr_NoMemory();
+    if (keyset_init(&j->pairs, count) < 0)
         return -1;
-    }
-    j->mask = slots - 1;
     for (Py_ssize_t k = 0; k < count; k++) {
         uint32_t a = pairs[2 * k], b = pairs[2 * k + 1];
-        if (a < 128 && b < 128) {
+        if (a < 128 && b < 128)
             j->ascii[(a * 128 + b) >> 3] |= (uint8_t)(1u << ((a * 128 + b) & 7));
-            continue;
-        }
-        uint64_t key = (uint64_t)a << 32 | b | 1ULL << 63;
-        size_t i = (key * 0x9E3779B97F4A7C15ULL) >> 20 & j->mask;
-        while (j->pairs[i] != 0 && j->pairs[i] != key)
-            i = (i + 1) & j->mask;
-        j->pairs[i] = key;
+        else
+            keyset_add(&j->pairs, (uint64_t)a << 32 | b | 1ULL << 63);
     }
     return 0;
 }
@@ -191,13 +223,43 @@ static int joinable(const Joinable *j, uint32_t a, uint32_t b)
 {
     if (a < 128 && b < 128)
         return j->ascii[(a * 128 + b) >> 3] >> ((a * 128 + b) & 7) & 1;
-    uint64_t key = (uint64_t)a << 32 | b | 1ULL << 63;
-    for (size_t i = (key * 0x9E3779B97F4A7C15ULL) >> 20 & j->mask;; i = (i + 1) & j->mask) {
-        if (j->pairs[i] == key)
-            return 1;
-        if (j->pairs[i] == 0)
-            return 0;
+    return keyset_has(&j->pairs, (uint64_t)a << 32 | b | 1ULL << 63);
+}
+
+/* Characters that are vocabulary pieces (U+2581 read as a space), when a run of the others must
+ * stay whole; `active` is 0 when no such set was given. */
+typedef struct {
+    int active;
+    uint8_t ascii[128 / 8];
+    KeySet chars;
+} Known;
+
+static int known_init(Known *k, const uint32_t *chars, Py_ssize_t count)
+{
+    memset(k->ascii, 0, sizeof(k->ascii));
+    k->active = 1;
+    if (keyset_init(&k->chars, count) < 0)
+        return -1;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (chars[i] < 128)
+            k->ascii[chars[i] >> 3] |= (uint8_t)(1u << (chars[i] & 7));
+        else
+            keyset_add(&k->chars, (uint64_t)chars[i] | 1ULL << 63);
     }
+    return 0;
+}
+
+static int known(const Known *k, uint32_t c)
+{
+    if (c < 128)
+        return k->ascii[c >> 3] >> (c & 7) & 1;
+    return keyset_has(&k->chars, (uint64_t)c | 1ULL << 63);
+}
+
+/* Whether the text may be cut between a and b. */
+static int cuttable(const Joinable *j, const Known *k, uint32_t a, uint32_t b)
+{
+    return !joinable(j, a, b) && (!k->active || known(k, a) || known(k, b));
 }
 
 /* The code point at s[*i] (valid UTF-8, as CPython makes it), advancing *i; U+2581 -> space. */
@@ -235,6 +297,7 @@ typedef struct {
     PyObject_HEAD
     Table table;
     Joinable joinable;
+    Known known;
     Py_ssize_t max_entries, max_key_chars;
     /* What the last scan() found, for the join() after it: a ref per segment (a record offset,
      * or MISSING_BIT | index into scan's `missing`) and where each text's refs end. */
@@ -245,32 +308,52 @@ typedef struct {
     size_t out_len, out_cap;
 } SegmentTable;
 
+static void free_cut_rules(SegmentTable *self)
+{
+    PyMem_Free(self->joinable.pairs.keys);
+    PyMem_Free(self->known.chars.keys);
+    self->joinable.pairs.keys = NULL;
+    self->known.chars.keys = NULL;
+    self->known.active = 0;
+}
+
 static int SegmentTable_init(SegmentTable *self, PyObject *args, PyObject *kwds)
 {
-    static char *names[] = {"joinable_pairs", "max_entries", "max_key_chars", NULL};
-    Py_buffer pairs;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*nn", names, &pairs, &self->max_entries, &self->max_key_chars))
+    static char *names[] = {"joinable_pairs", "max_entries", "max_key_chars", "known_chars", NULL};
+    Py_buffer pairs, chars = {0};
+    PyObject *chars_arg = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*nn|O", names, &pairs, &self->max_entries, &self->max_key_chars,
+                                     &chars_arg))
         return -1;
-    int status = -1;
+    int status = -1, have_chars = chars_arg != Py_None;
+    if (have_chars && PyObject_GetBuffer(chars_arg, &chars, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&pairs);
+        return -1;
+    }
     if (self->max_entries < 0 || self->max_key_chars < 0 || self->max_key_chars > 4096)
         PyErr_SetString(PyExc_ValueError, "need max_entries >= 0 and 0 <= max_key_chars <= 4096");
     else if (pairs.len % 8)
         PyErr_SetString(PyExc_ValueError, "joinable_pairs: bytes of uint32 (a, b) pairs");
+    else if (have_chars && chars.len % 4)
+        PyErr_SetString(PyExc_ValueError, "known_chars: bytes of uint32 code points, or None");
     else {
         table_free(&self->table);
-        PyMem_Free(self->joinable.pairs);
+        free_cut_rules(self);
         self->scanned = -1;
-        if (joinable_init(&self->joinable, (const uint32_t *)pairs.buf, pairs.len / 8) == 0)
+        if (joinable_init(&self->joinable, (const uint32_t *)pairs.buf, pairs.len / 8) == 0 &&
+            (!have_chars || known_init(&self->known, (const uint32_t *)chars.buf, chars.len / 4) == 0))
             status = table_init(&self->table, 1 << 12);
     }
     PyBuffer_Release(&pairs);
+    if (have_chars)
+        PyBuffer_Release(&chars);
     return status;
 }
 
 static void SegmentTable_dealloc(SegmentTable *self)
 {
     table_free(&self->table);
-    PyMem_Free(self->joinable.pairs);
+    free_cut_rules(self);
     PyMem_Free(self->refs);
     PyMem_Free(self->text_ends);
     PyMem_Free(self->out);
@@ -328,7 +411,7 @@ static Py_ssize_t scan_text(SegmentTable *self, Table *seen, PyObject *missing, 
     while (at < len) {
         Py_ssize_t here = at;
         uint32_t current = next_char(s, &at);
-        if (!joinable(&self->joinable, previous, current)) {
+        if (cuttable(&self->joinable, &self->known, previous, current)) {
             if (scan_segment(self, seen, missing, text + start, here - start) < 0)
                 return -1;
             start = here;
@@ -508,7 +591,7 @@ static PySequenceMethods SegmentTable_as_sequence = {.sq_length = (lenfunc)Segme
 static PyTypeObject SegmentTableType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "megatron_iiet.data._segment_table.SegmentTable",
-    .tp_doc = PyDoc_STR("SegmentTable(joinable_pairs, max_entries, max_key_chars): memoised segment ids"),
+    .tp_doc = PyDoc_STR("SegmentTable(joinable_pairs, max_entries, max_key_chars, known_chars=None): memoised segment ids"),
     .tp_basicsize = sizeof(SegmentTable),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,

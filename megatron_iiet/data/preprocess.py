@@ -62,7 +62,7 @@ class PreprocessConfig:
     batch_documents: int = 512
     batch_chars: int = 1 << 20  # also close a batch at this much text, whatever the count
     # Segments whose sentencepiece BPE ids each worker memoises (byte-identical output; models where
-    # that cannot be guaranteed fall back to per-document encoding by themselves); 0: none.
+    # that cannot be guaranteed are encoded per document, said once on stderr); 0: none, silently.
     segment_cache_entries: int = DEFAULT_MAX_ENTRIES
     hf_reader: bool = False  # read .jsonl/.txt through HF datasets too (default: a direct reader)
     overwrite: bool = False  # replace output of a run with different arguments
@@ -367,6 +367,14 @@ def run_preprocess(config: PreprocessConfig) -> PreprocessSummary:
         return _run_locked(config, started, tokenizer, files, dtype, eod_id, signature)
 
 
+def _say_if_segment_cache_off(config: PreprocessConfig, tokenizer: Tokenizer) -> None:
+    """One line on stderr, once per run, when the fast path is off though not turned off by the
+    user (`segment_cache_entries=0`, `--no-segment-cache`): the run is then several times slower."""
+    if config.segment_cache_entries > 0 and tokenizer.segment_cache_blocker is not None:
+        print(f"preprocess: segment cache off for tokenizer {config.tokenizer}: {tokenizer.segment_cache_blocker}; "
+              "encoding per document", file=sys.stderr, flush=True)
+
+
 def _run_locked(config: PreprocessConfig, started: float, tokenizer: Tokenizer, files, dtype, eod_id: int | None,
                 signature: dict) -> PreprocessSummary:
     dtype_name = np.dtype(dtype).name
@@ -406,6 +414,7 @@ def _run_locked(config: PreprocessConfig, started: float, tokenizer: Tokenizer, 
 
     reader_config = ReaderConfig(text_key=config.text_key, text_unit=config.text_unit, hf_reader=config.hf_reader, defer_json=True)
     documents = iter_documents(files, reader_config, start_file, start_row)
+    _say_if_segment_cache_off(config, tokenizer)
     engine = _OrderedTokenizer(config, dtype_name, eod_id, files)
     bar = _progress_bar(config, sum(f.size for f in files), sum(f.size for f in files[:start_file]))
     writer = open_writer()

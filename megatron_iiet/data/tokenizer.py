@@ -21,7 +21,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from megatron_iiet.data.bpe_cache import SegmentCachedEncoder, cache_blocker
+from megatron_iiet.data.bpe_cache import SegmentCachedEncoder, cache_blocker, raise_if_unencodable
 from megatron_iiet.data.errors import DataInputError, TokenizerMismatchError
 
 
@@ -98,6 +98,16 @@ class Tokenizer:
         """Every token's string form, in id order (used for the fingerprint)."""
         raise NotImplementedError
 
+    # -- the preprocessing fast path ---------------------------------------------------------------
+    @property
+    def segment_cache_blocker(self) -> str | None:
+        """Why `segment_cache` gives no memoising encoder for this tokenizer (one line), or None."""
+        return "not a sentencepiece model (the segment cache serves sentencepiece BPE models)"
+
+    def segment_cache(self, dtype_name: str) -> SegmentCachedEncoder | None:
+        """The memoising encoder preprocessing uses, or None (`segment_cache_blocker` says why)."""
+        return None
+
     # -- shared --------------------------------------------------------------------------------
     @property
     def fingerprint(self) -> str:
@@ -156,7 +166,11 @@ class SentencePieceTokenizer(Tokenizer):
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         # One call for the whole batch: the C++ side loops without the per-call Python overhead.
-        return self._sp.encode(list(texts), out_type=int, num_threads=1)
+        try:
+            return self._sp.encode(list(texts), out_type=int, num_threads=1)
+        except (RuntimeError, TypeError):
+            raise_if_unencodable(texts)  # a lone surrogate: the same error as the fast path's
+            raise
 
     def encode_to_arrays(self, texts: Sequence[str], dtype_name: str, eod_id: int | None,
                          cache_segments: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -171,17 +185,21 @@ class SentencePieceTokenizer(Tokenizer):
         eod = np.array([eod_id], dtype=dtype_name).tobytes()
         return np.frombuffer(eod.join(encoded) + eod, dtype=dtype_name), lengths + 1
 
+    @property
+    def segment_cache_blocker(self) -> str | None:
+        if not hasattr(self, "_segment_cache_blocker"):
+            self._segment_cache_blocker = cache_blocker(self._sp)
+        return self._segment_cache_blocker
+
     def segment_cache(self, dtype_name: str) -> SegmentCachedEncoder | None:
-        """The memoising encoder for this model (None when the model does not allow one;
-        `segment_cache_blocker` says why)."""
-        if not hasattr(self, "segment_cache_blocker"):
-            self.segment_cache_blocker = cache_blocker(self._sp)
-            self._segment_caches: dict[str, SegmentCachedEncoder] = {}
+        """The memoising encoder for this model (None when the model does not allow one, or the C
+        helper is not built; `segment_cache_blocker` says why). One per dtype, kept."""
         if self.segment_cache_blocker is not None:
             return None
-        if dtype_name not in self._segment_caches:
-            self._segment_caches[dtype_name] = SegmentCachedEncoder(self._sp, dtype_name)
-        return self._segment_caches[dtype_name]
+        caches = self.__dict__.setdefault("_segment_caches", {})
+        if dtype_name not in caches:
+            caches[dtype_name] = SegmentCachedEncoder(self._sp, dtype_name)
+        return caches[dtype_name]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
