@@ -1,7 +1,7 @@
 """Hugging Face model code for IIET (Iterative Implicit Euler Transformer) and its baselines.
 
 Shipped inside every exported checkpoint folder: it imports only torch and transformers (plus the
-sibling configuration_iiet.py). The architectures follow the project's spec (docs: spec/IIET.md):
+siblings configuration_iiet.py and cache_iiet.py, which `save_pretrained` copies with it). The architectures follow the project's spec (docs: spec/IIET.md):
 
 * Every layer owns one pre-norm block, `Block(u) = h + MLP(N2(h))`, `h = u + Attn(N1(u))`. A
   layer's forward evaluates that block one or more times; each evaluation is a *pass*.
@@ -10,6 +10,10 @@ sibling configuration_iiet.py). The architectures follow the project's spec (doc
   are combined. The cross-layer history (PCformer, IIET history form) is the small `IIETHistory`.
 * Exact incremental decoding: every (layer, pass) has its own key/value store (`IIETCache`),
   because during training each pass attends to the keys/values of its own pass.
+* Per-token cost follows the passes: a decode step's work outside them is O(1) kernels per pass
+  and per layer. The stores grow in place (`IIETCacheLayer`: no copy of the past per pass), the
+  history keeps one partial sum per layer (`HistoryStates`: one fused multiply-add per pop /
+  refine, not one per earlier state), and RoPE rows and the mask are set up once per forward.
 
 State-dict names follow the authors' LLaMA-style release; the full list is in docs/hf.md.
 """
@@ -21,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
-from transformers.cache_utils import Cache, DynamicLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 try:  # transformers >= 5: init helpers that skip tensors already loaded from a checkpoint
@@ -29,49 +32,25 @@ try:  # transformers >= 5: init helpers that skip tensors already loaded from a 
 except ImportError:  # pragma: no cover - older transformers
     _init = None
 
+from .cache_iiet import IIETCache, IIETCacheLayer  # noqa: F401  (the store, for users and tests)
 from .configuration_iiet import IIETConfig, scheme_key
 
+# torch >= 2.4; exported folders may be loaded with an older torch.
+_HAS_RMS_NORM = hasattr(F, "rms_norm")
 # transformers 5 renamed the output field `past_key_values` to `cache`.
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
-# ----------------------------------------------------------------------------------------------
-# KV cache: one slot per (layer, pass)
-# ----------------------------------------------------------------------------------------------
-class IIETCache(Cache):
-    """A transformers `Cache` with one growing key/value store per (layer, pass).
-
-    Slots are laid out layer by layer: layer l's passes occupy `offsets[l] .. offsets[l] +
-    passes[l] - 1`. Slot 0 (layer 0, pass 0) always exists, so `get_seq_length()` works unchanged.
-    """
-
-    def __init__(self, passes_per_layer):
-        self.passes_per_layer = [int(p) for p in passes_per_layer]
-        if not self.passes_per_layer or min(self.passes_per_layer) < 1:
-            raise ValueError(f"every layer needs at least one pass, got {self.passes_per_layer}")
-        self.slot_offsets = []
-        total = 0
-        for passes in self.passes_per_layer:
-            self.slot_offsets.append(total)
-            total += passes
-        super().__init__(layers=[DynamicLayer() for _ in range(total)])
-
-    def slot(self, layer_index, pass_index):
-        if not 0 <= pass_index < self.passes_per_layer[layer_index]:
-            raise IndexError(
-                f"layer {layer_index} has {self.passes_per_layer[layer_index]} cached passes, "
-                f"pass {pass_index} requested"
-            )
-        return self.slot_offsets[layer_index] + pass_index
-
-
 @dataclass
 class PassContext:
-    """What every pass of every layer needs besides its input: RoPE tables, mask, cache."""
+    """What every pass of every layer needs besides its input: RoPE tables, mask, cache.
 
-    cos: torch.Tensor
-    sin: torch.Tensor
-    mask: torch.Tensor | None
+    Built once per forward (the tables, and the mask in the form its attention function takes,
+    serve every (layer, pass)), so a pass does no set-up of its own."""
+
+    cos: torch.Tensor  # [batch|1, 1, seq, head_dim]
+    signed_sin: torch.Tensor  # sin with its first half negated (see apply_rope_signed)
+    mask: torch.Tensor | None  # as prepared by the attention's mask function; None = attend all
     cache: IIETCache | None
     attend: Callable  # (q, k, v, mask) -> attention output, of config._attn_implementation
 
@@ -89,6 +68,11 @@ class IIETRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
+        if x.dtype == self.weight.dtype == torch.float32 and _HAS_RMS_NORM:
+            # In fp32 ATen's rms_norm is the lines below (x * rsqrt(mean(x^2) + eps) * weight): on
+            # CPU the same ops, bit-identical, minus their Python overhead; on CUDA one fused kernel
+            # (equal to fp32 rounding). Not used in bf16/fp16: there it rounds after the weight.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 so bf16 checkpoints decode like their fp32 originals.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -96,12 +80,45 @@ class IIETRMSNorm(nn.Module):
 
 
 def rope_tables(position_ids, head_dim, theta, dtype):
-    """cos/sin of shape [batch, 1, seq, head_dim], non-interleaved (halves) layout."""
+    """cos/sin of shape [batch, 1, seq, head_dim], non-interleaved (halves) layout. Every entry
+    depends on its own position only (element-wise math), so `RopeTable` precomputes them."""
     exponents = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
     inv_freq = 1.0 / (theta**exponents)
     angles = position_ids[..., None].float() * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos()[:, None].to(dtype), angles.sin()[:, None].to(dtype)
+
+
+class RopeTable:
+    """cos and signed sin (`rope_tables` of positions 0 .. n-1) kept for reuse across forwards:
+    a decode step then slices (default positions) or gathers its rows instead of recomputing
+    the tables. Entries equal `rope_tables` of the same positions (the same element-wise math)."""
+
+    def __init__(self):
+        self._tables = {}  # (head_dim, theta, device, dtype) -> (cos [n, head_dim], signed sin)
+
+    def get(self, head_dim, theta, device, dtype, length):
+        key = (head_dim, float(theta), device, dtype)
+        tables = self._tables.get(key)
+        if tables is None or tables[0].shape[0] < length:
+            old = 0 if tables is None else tables[0].shape[0]
+            size = -(-max(length, 2 * old, 1024) // 256) * 256
+            cos, sin = rope_tables(torch.arange(size, device=device)[None], head_dim, theta, dtype)
+            tables = self._tables[key] = (cos[0, 0], signed_sin(sin[0, 0]))
+        return tables
+
+    def lookup(self, position_ids, start, query_len, head_dim, theta, device, dtype):
+        """[batch|1, 1, seq, head_dim] cos and signed sin: positions start .. start+query_len-1
+        when position_ids is None (a view, no kernel), else the rows of position_ids."""
+        if position_ids is None:
+            cos, sin = self.get(head_dim, theta, device, dtype, start + query_len)
+            return cos[start:start + query_len][None, None], sin[start:start + query_len][None, None]
+        position_ids = position_ids.to(device)
+        if position_ids.numel() == 0 or int(position_ids.min()) < 0:  # not in the table: compute
+            cos, sin = rope_tables(position_ids, head_dim, theta, dtype)
+            return cos, signed_sin(sin)
+        cos, sin = self.get(head_dim, theta, device, dtype, int(position_ids.max()) + 1)
+        return cos[position_ids][:, None], sin[position_ids][:, None]
 
 
 def rotate_half(x):
@@ -113,23 +130,50 @@ def apply_rope(x, cos, sin):
     return x * cos + rotate_half(x) * sin
 
 
+def signed_sin(sin):
+    """sin with its first half negated: rotate_half(x) * sin == swap_halves(x) * signed_sin(sin)
+    element for element (a sign flip is exact), so the rotation needs no negation per pass."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+def apply_rope_signed(x, cos, sin_signed):
+    """apply_rope with the precomputed signed_sin: bit-identical, one kernel fewer per call."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
+
+
 def sdpa_attention(q, k, v, mask):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def sdpa_mask(allowed, dtype):
+    """Boolean mask -> the additive one SDPA would make of it at every call (0 / -inf)."""
+    return torch.zeros((), dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
 
 
 def eager_attention(q, k, v, mask):
     """softmax(q k^T / sqrt(d) + mask) v, as transformers' eager_attention_forward computes it:
     scores in the input dtype, softmax in fp32 and cast back (so it is the reference to debug
-    SDPA kernels against, and the path for tools that need explicit attention)."""
+    SDPA kernels against, and the path for tools that need explicit attention). `mask` is
+    additive (`eager_mask`) or boolean (True = attend)."""
     scores = torch.matmul(q, k.transpose(2, 3)) * q.shape[-1] ** -0.5
-    if mask is not None:  # boolean (True = attend) -> additive, as Llama's eager mask
-        scores = scores + torch.where(mask, 0.0, torch.finfo(scores.dtype).min).to(scores.dtype)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            mask = eager_mask(mask, scores.dtype)
+        scores = scores + mask
     weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(weights, v)
 
 
+def eager_mask(allowed, dtype):
+    """Boolean (True = attend) -> additive, as Llama's eager mask (finfo.min, not -inf)."""
+    return torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)
+
+
 # config._attn_implementation -> function; anything else is refused (never silently SDPA).
 ATTENTION_FUNCTIONS = {"sdpa": sdpa_attention, "eager": eager_attention}
+# ... and how its mask is prepared, once per forward, from the boolean one (True = attend).
+ATTENTION_MASKS = {"sdpa": sdpa_mask, "eager": eager_mask}
 
 
 def attention_function(implementation):
@@ -137,6 +181,11 @@ def attention_function(implementation):
         raise ValueError(f'attn_implementation="{implementation}" is not supported by IIET models; '
                          f'use one of {", ".join(map(repr, ATTENTION_FUNCTIONS))}')
     return ATTENTION_FUNCTIONS[implementation]
+
+
+def attention_mask_function(implementation):
+    """Boolean mask -> the form the implementation's attention takes (identity if not listed)."""
+    return ATTENTION_MASKS.get(implementation, lambda allowed, dtype: allowed)
 
 
 class IIETAttention(nn.Module):
@@ -156,7 +205,7 @@ class IIETAttention(nn.Module):
         q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+        q, k = apply_rope_signed(q, ctx.cos, ctx.signed_sin), apply_rope_signed(k, ctx.cos, ctx.signed_sin)
         if ctx.cache is not None:
             k, v = ctx.cache.update(k, v, slot)
         if self.num_kv_heads != self.num_heads:
@@ -206,11 +255,36 @@ def uniform_lower_triangular(size):
     return torch.tril(torch.ones(size, size)) / (rows + 1)
 
 
+class HistoryStates:
+    """The states S_0 .. S_l of one forward, and the running layer's partial sums.
+
+    Layer l (1-based row l of W / Wc) reads pop(l) and refine(l) once per pass, but only its own
+    state S_l changes between those reads: S_0 .. S_{l-1} are final once the layer starts. So when
+    the layer adds its predictor, one matmul over the stacked earlier states gives both partial
+    sums `P_l = sum_{k<l} W[l,k] S_k` and `R_l = sum_{k<l} Wc[l,k] S_k`, and each pop / refine
+    is then one fused multiply-add with the newest state (`IIETHistory.pop`). The same code runs
+    for any number of positions, so prefill and cached decode compute every position alike.
+    """
+
+    def __init__(self, embeddings, rows):
+        self.states = [embeddings]  # S_0 .. S_l
+        self.rows = rows  # rows[l]: [2, L+1] = row l of W and of Wc, in the states' dtype
+        self.row = None  # l of the running layer
+        self.pop_partial = self.refine_partial = None  # P_l, R_l
+        self.pop_newest = self.refine_newest = None  # W[l, l], Wc[l, l] (0-dim)
+
+    def __len__(self):
+        return len(self.states)
+
+    def __getitem__(self, k):
+        return self.states[k]
+
+
 class IIETHistory(nn.Module):
     """States S_0 (embeddings) .. S_l, combined by the pop (W) and refine (Wc) matrices.
 
-    `states` is a plain Python list owned by the caller; index k holds S_k. Layers are 0-based
-    here, so layer i writes S_{i+1} and reads row i+1 of W / Wc.
+    `start` opens the `HistoryStates` of one forward; layers are 0-based here, so layer i writes
+    S_{i+1} and reads row i+1 of W / Wc.
     """
 
     def __init__(self, config):
@@ -223,27 +297,39 @@ class IIETHistory(nn.Module):
             nn.LayerNorm(d, eps=eps) for _ in range(config.num_hidden_layers)
         )
 
+    def start(self, embeddings):
+        rows = torch.stack([self.weight, self.weight_c], dim=1).to(embeddings.dtype).unbind(0)
+        return HistoryStates(embeddings, rows)
+
     def add_predictor(self, states, layer_index, z):
-        if len(states) != layer_index + 1:
-            raise RuntimeError(f"history holds {len(states)} states, layer {layer_index} expects {layer_index + 1}")
-        states.append(self.rouge_predictions_norm[layer_index](z))
+        row = layer_index + 1
+        if len(states) != row:
+            raise RuntimeError(f"history holds {len(states)} states, layer {layer_index} expects {row}")
+        earlier = torch.stack(states.states)  # S_0 .. S_{row-1}: final from here on
+        coefficients = states.rows[row]  # [2, L+1]: row `row` of W and of Wc
+        partial = coefficients[:, :row] @ earlier.view(row, -1)
+        states.pop_partial, states.refine_partial = partial.view(2, *earlier.shape[1:]).unbind(0)
+        states.pop_newest, states.refine_newest = coefficients[:, row].unbind(0)
+        states.row = row
+        states.states.append(self.rouge_predictions_norm[layer_index](z))
 
     def correct(self, states, layer_index, z):
-        states[layer_index + 1] = self.layer_norms[layer_index](z)
+        states.states[layer_index + 1] = self.layer_norms[layer_index](z)
 
     def pop(self, states, layer_index):
-        return self._combine(self.weight, states, layer_index + 1)
+        """sum_{k<=l} W[l,k] S_k, l = layer_index + 1 (the partial sum plus the newest state)."""
+        self._check_running(states, layer_index)
+        return torch.addcmul(states.pop_partial, states.pop_newest, states.states[layer_index + 1])
 
     def refine(self, states, layer_index):
-        return self._combine(self.weight_c, states, layer_index + 1)
+        """sum_{k<=l} Wc[l,k] S_k."""
+        self._check_running(states, layer_index)
+        return torch.addcmul(states.refine_partial, states.refine_newest, states.states[layer_index + 1])
 
     @staticmethod
-    def _combine(matrix, states, row):
-        coeffs = matrix[row, : row + 1].to(states[0].dtype)
-        out = coeffs[0] * states[0]
-        for k in range(1, row + 1):
-            out = out + coeffs[k] * states[k]
-        return out
+    def _check_running(states, layer_index):
+        if states.row != layer_index + 1:
+            raise RuntimeError(f"layer {layer_index} reads the history before adding its predictor")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -392,6 +478,22 @@ def build_attention_mask(padding_mask, query_len, past_len, device):
     return allowed
 
 
+def effective_padding_mask(padding_mask, query_len, past_len):
+    """The 2-D padding mask if it masks anything, else None (generate passes an all-ones mask
+    with every step: treating it as absent gives the same positions and the same attention, and
+    spares the mask kernels per pass; on GPU the check is one host sync per forward, as in
+    transformers' own SDPA mask shortcut). Checks its length like build_attention_mask."""
+    if padding_mask is None:
+        return None
+    key_len = past_len + query_len
+    if padding_mask.shape[-1] != key_len:
+        raise ValueError(
+            f"attention_mask covers {padding_mask.shape[-1]} positions, expected {key_len} "
+            f"({past_len} cached + {query_len} new)"
+        )
+    return None if bool(padding_mask.all()) else padding_mask
+
+
 def default_position_ids(padding_mask, batch, query_len, past_len, device):
     if padding_mask is not None:
         # Left padding: positions count real tokens only, as they did in training.
@@ -479,6 +581,7 @@ class IIETModel(IIETPreTrainedModel):
         self.norm = IIETRMSNorm(d, config.rms_norm_eps)
         for name, value in step_of(config).model_parameters(config).items():
             setattr(self, name, value)
+        self._rope = RopeTable()  # not a module or buffer: no state-dict entry
         self.post_init()
 
     def get_input_embeddings(self):
@@ -520,18 +623,24 @@ class IIETModel(IIETPreTrainedModel):
 
         batch, query_len, _ = inputs_embeds.shape
         past_len = cache.get_seq_length() if cache is not None else 0
-        device = inputs_embeds.device
-        if position_ids is None:
-            position_ids = default_position_ids(attention_mask, batch, query_len, past_len, device)
-        cos, sin = rope_tables(position_ids, self.config.hidden_size // self.config.num_attention_heads,
-                               self.config.rope_theta, inputs_embeds.dtype)
-        attend = attention_function(getattr(self.config, "_attn_implementation", None) or "sdpa")
-        ctx = PassContext(cos, sin, build_attention_mask(attention_mask, query_len, past_len, device),
-                          cache, attend)
+        device, dtype = inputs_embeds.device, inputs_embeds.dtype
+        # Set up once per forward what every (layer, pass) shares: RoPE rows, mask, attention.
+        padding = effective_padding_mask(attention_mask, query_len, past_len)
+        if position_ids is None and padding is not None:
+            position_ids = default_position_ids(padding, batch, query_len, past_len, device)
+        cos, signed = self._rope.lookup(position_ids, past_len, query_len,
+                                        self.config.hidden_size // self.config.num_attention_heads,
+                                        self.config.rope_theta, device, dtype)
+        implementation = getattr(self.config, "_attn_implementation", None) or "sdpa"
+        attend = attention_function(implementation)
+        mask = build_attention_mask(padding, query_len, past_len, device)
+        if mask is not None:
+            mask = attention_mask_function(implementation)(mask, dtype)
+        ctx = PassContext(cos, signed, mask, cache, attend)
 
         step = step_of(self.config).function
         history = getattr(self, "history", None)
-        states = [inputs_embeds] if self.config.uses_history else None
+        states = history.start(inputs_embeds) if self.config.uses_history else None
         keep = hidden_states_kept(output_hidden_states, self.config)
         all_hidden = []
         x = inputs_embeds

@@ -80,7 +80,7 @@ def test_config_and_folder_contents(converted):
         converted / "hf" / "iiet-fixed_point-tp2")
     files = {p.name for p in folder.iterdir()}
     assert {"config.json", "generation_config.json", "configuration_iiet.py", "modeling_iiet.py",
-            "model.safetensors", "README.md", "tokenizer.json", "tokenizer.model",
+            "cache_iiet.py", "model.safetensors", "README.md", "tokenizer.json", "tokenizer.model",
             "tokenizer_config.json"} <= files
     card = (folder / "README.md").read_text()
     assert "pipeline" in card and "architecture: iiet" in card  # the training config is in it

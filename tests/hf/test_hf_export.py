@@ -46,7 +46,7 @@ def export(tmp_path, **extra):
 def test_export_folder_layout(tmp_path):
     model, folder = export(tmp_path, architecture="iiet", iterations=[3, 0, 1, 2])
     files = set(os.listdir(folder))
-    assert {"config.json", "configuration_iiet.py", "modeling_iiet.py", "model.safetensors"} <= files
+    assert {"config.json", "configuration_iiet.py", "modeling_iiet.py", "cache_iiet.py", "model.safetensors"} <= files
     config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == "iiet"
     assert config["iterations"] == [3, 0, 1, 2]
