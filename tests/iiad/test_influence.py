@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from torch import nn
 
 from megatron_iiet.distributed import spawn_local
