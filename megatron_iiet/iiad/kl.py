@@ -1,0 +1,96 @@
+"""The distillation term of IIAD (spec 6.3-6.4) on vocab-parallel logits.
+
+``KL(p_teacher || q_student)`` per token, with both distributions at temperature T, computed on
+the tensor-parallel vocabulary shards the output layer produces: the log-normalisers need only
+the shards' maxima and exp-sums (two all-reduces of one number per token each), and the KL
+itself is a sum over the shard followed by one all-reduce. The full vocabulary is never
+gathered, so the memory per rank stays ``tokens x vocab / TP``. The gradient with respect to the
+student's logits is ``(q - p) / T`` per token; the teacher gets none.
+
+Scaling: ``loss = T^2 x mean KL`` (Hinton et al.: the soft targets' gradients shrink as 1/T^2,
+so the T^2 keeps the distillation term's weight independent of the temperature); at T = 1, the
+release's setting, it is the plain KL.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def _tp_group():
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() == 1:
+        return None
+    return ps.get_tensor_model_parallel_group()
+
+
+def _log_softmax_sharded(logits: torch.Tensor, group) -> torch.Tensor:
+    """log softmax over the whole vocabulary, of this rank's shard."""
+    peak = logits.max(dim=-1, keepdim=True).values
+    if group is not None:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    shifted = logits - peak
+    total = shifted.exp().sum(dim=-1, keepdim=True)
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    return shifted - total.log()
+
+
+def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+class _VocabParallelKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, student, teacher, temperature: float):
+        group = _tp_group()
+        log_q = _log_softmax_sharded(_at_least_fp32(student) / temperature, group)
+        log_p = _log_softmax_sharded(_at_least_fp32(teacher).to(log_q.dtype) / temperature, group)
+        p = log_p.exp()
+        kl = (p * (log_p - log_q)).sum(dim=-1)
+        if group is not None:
+            dist.all_reduce(kl, group=group)
+        ctx.save_for_backward(log_q, p)
+        ctx.temperature, ctx.dtype = temperature, student.dtype
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad_kl):
+        log_q, p = ctx.saved_tensors
+        grad = grad_kl.unsqueeze(-1) * (log_q.exp() - p) / ctx.temperature
+        return grad.to(ctx.dtype), None, None
+
+
+def vocab_parallel_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+                      temperature: float = 1.0) -> torch.Tensor:
+    """Per-token ``KL(softmax(teacher/T) || softmax(student/T))`` from vocab shards ``[..., V/TP]``
+    (the whole vocabulary at TP=1); differentiable in the student's logits only."""
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(f"teacher logits {tuple(teacher_logits.shape)} do not match the "
+                         f"student's {tuple(student_logits.shape)} (another vocabulary?)")
+    if temperature <= 0:
+        raise ValueError(f"temperature {temperature}: must be > 0")
+    return _VocabParallelKL.apply(student_logits, teacher_logits.detach(), float(temperature))
+
+
+def distillation_loss(student_logits: torch.Tensor,
+                      teachers: Sequence[tuple[torch.Tensor, float]],
+                      temperature: float = 1.0,
+                      loss_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, list]:
+    """``T^2 x sum_t w_t x mean KL_t`` over the tokens (those with ``loss_mask`` 1; every
+    position when None, as the release does) and each teacher's term, unweighted."""
+    terms = []
+    for logits, _weight in teachers:
+        kl = vocab_parallel_kl(student_logits, logits, temperature)
+        if loss_mask is None:
+            mean = kl.mean()
+        else:
+            mask = loss_mask.to(kl.dtype).reshape(kl.shape)
+            mean = (kl * mask).sum() / mask.sum().clamp(min=1.0)
+        terms.append(temperature ** 2 * mean)
+    total = sum(w * term for (_, w), term in zip(teachers, terms))
+    return total, terms
