@@ -81,7 +81,6 @@ def measure(label, overrides, args, device):
     row = {"label": label, "passes": sum(passes_per_layer(cfg)) / cfg.num_layers,
            "step_s": seconds, "tokens_per_s": mb * seq / seconds,
            "mfu": flops / seconds / (args.peak_tflops * 1e12), "memory_gib": peak}
-    del model
     return row
 
 
