@@ -24,9 +24,12 @@ class InferenceModel:
     meta: dict
 
 
-def load_for_inference(path: str | Path, tokenizer: Optional[str] = None) -> InferenceModel:
+def load_for_inference(path: str | Path, tokenizer: Optional[str] = None,
+                       with_tokenizer: bool = True) -> InferenceModel:
     """The checkpoint at ``path`` (an ``iter_*`` folder or a run's checkpoint root: its newest
-    complete checkpoint), in eval mode, on this rank's share of the current process groups."""
+    complete checkpoint), in eval mode, on this rank's share of the current process groups.
+    ``with_tokenizer=False`` (a distillation teacher: only its fingerprint matters) leaves
+    ``tokenizer`` None."""
     from megatron.core import parallel_state as ps
 
     from megatron_iiet.hf.megatron_model import (check_rebuilds, load_model_tensors,
@@ -39,7 +42,7 @@ def load_for_inference(path: str | Path, tokenizer: Optional[str] = None) -> Inf
 
     ckpt = resolve_checkpoint(path)
     meta = read_meta(ckpt)
-    tok = resolve_tokenizer(meta, tokenizer, ckpt)
+    tok = resolve_tokenizer(meta, tokenizer, ckpt) if with_tokenizer else None
     model_cfg = single_process_model_config(train_config_from_dict(meta["config"]),
                                             meta["architecture"]["vocab_size"],
                                             ps.get_tensor_model_parallel_world_size(),

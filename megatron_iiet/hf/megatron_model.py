@@ -30,6 +30,8 @@ def train_config_from_dict(tree: dict):
     hints = typing.get_type_hints(TrainConfig)
     values = {}
     for name, value in tree.items():
+        if name == "distill":  # a training matter (teachers, window): the model needs none of it
+            continue
         if name not in hints:
             raise ConversionError(f"meta.json config: unknown section {name!r}")
         cls = hints[name]

@@ -86,11 +86,86 @@ def distillation_loss(student_logits: torch.Tensor,
     terms = []
     for logits, _weight in teachers:
         kl = vocab_parallel_kl(student_logits, logits, temperature)
-        if loss_mask is None:
-            mean = kl.mean()
-        else:
-            mask = loss_mask.to(kl.dtype).reshape(kl.shape)
-            mean = (kl * mask).sum() / mask.sum().clamp(min=1.0)
-        terms.append(temperature ** 2 * mean)
+        terms.append(temperature ** 2 * masked_token_mean(kl, loss_mask))
     total = sum(w * term for (_, w), term in zip(teachers, terms))
     return total, terms
+
+
+# ---- top-k teachers (precomputed logits) ------------------------------------------------------
+
+def vocab_parallel_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest logits over the whole vocabulary from vocab shards ``[..., V/TP]``:
+    (global ids int64, values), ordered by value, on every TP rank."""
+    group = _tp_group()
+    values, ids = logits.topk(min(k, logits.shape[-1]), dim=-1)  # a shard may hold fewer
+    if group is None:
+        return ids, values
+    from megatron.core import parallel_state as ps
+
+    ids = ids + ps.get_tensor_model_parallel_rank() * logits.shape[-1]
+    size = ps.get_tensor_model_parallel_world_size()
+    all_values = [torch.empty_like(values) for _ in range(size)]
+    all_ids = [torch.empty_like(ids) for _ in range(size)]
+    dist.all_gather(all_values, values.contiguous(), group=group)
+    dist.all_gather(all_ids, ids.contiguous(), group=group)
+    values, pick = torch.cat(all_values, dim=-1).topk(k, dim=-1)
+    return torch.cat(all_ids, dim=-1).gather(-1, pick), values
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """``logits.gather(-1, index)`` keeping only the index for backward (torch's gather keeps the
+    logits too, which megatron's in-place cross entropy then overwrites)."""
+
+    @staticmethod
+    def forward(ctx, logits, index):
+        ctx.save_for_backward(index)
+        ctx.shape, ctx.dtype = logits.shape, logits.dtype
+        return logits.gather(-1, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        index, = ctx.saved_tensors
+        full = torch.zeros(ctx.shape, dtype=grad.dtype, device=grad.device)
+        return full.scatter_add_(-1, index, grad).to(ctx.dtype), None
+
+
+def gather_vocab_parallel(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``logits[..., ids]`` for global vocabulary ids from vocab shards (each rank contributes
+    the ids in its range; one all-reduce of ``k`` numbers per token); differentiable."""
+    group = _tp_group()
+    if group is None:
+        return _GatherLastDim.apply(logits, ids)
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    per_rank = logits.shape[-1]
+    local = ids - ps.get_tensor_model_parallel_rank() * per_rank
+    inside = (local >= 0) & (local < per_rank)
+    picked = _GatherLastDim.apply(logits, local.clamp(0, per_rank - 1))
+    return reduce_from_tensor_model_parallel_region(torch.where(inside, picked, 0.0))
+
+
+def topk_kl(student_logits: torch.Tensor, ids: torch.Tensor, values: torch.Tensor,
+            temperature: float = 1.0) -> torch.Tensor:
+    """Per-token KL on the teacher's top-k support: both distributions renormalised over the
+    same k ids, ``p = softmax(values / T)`` and ``q = softmax(student[ids] / T)``.
+
+    Renormalising the student too (rather than comparing the truncated teacher with the
+    student's full softmax) makes the term an exact KL of two distributions, zero when the
+    student ranks the k ids like the teacher; the mass the student puts outside the top-k is
+    left to the cross entropy. With k = V it is ``vocab_parallel_kl``.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature {temperature}: must be > 0")
+    picked = _at_least_fp32(gather_vocab_parallel(student_logits, ids.long())) / temperature
+    log_q = picked - picked.logsumexp(dim=-1, keepdim=True)
+    log_p = torch.log_softmax(_at_least_fp32(values.detach()).to(log_q.dtype) / temperature, -1)
+    return (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+
+
+def masked_token_mean(per_token: torch.Tensor, loss_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Mean over the tokens with ``loss_mask`` 1, or over every position when None."""
+    if loss_mask is None:
+        return per_token.mean()
+    mask = loss_mask.to(per_token.dtype).reshape(per_token.shape)
+    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)

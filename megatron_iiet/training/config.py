@@ -121,6 +121,10 @@ class CheckpointSection:
     """Allow a start below the newest checkpoint in `dir` (a fresh start, a rollback): those
     newer checkpoints are deleted once this run commits its first checkpoint."""
     async_save: bool = False
+    init_from: Optional[str] = None
+    """Weights to start from when this run has no checkpoint of its own yet (a fresh start,
+    e.g. the E-IIET student from its IIET): once the run has saved, `load: auto` resumes it
+    instead. Fresh optimizer and schedule, like load_model_only."""
 
 
 @dataclass
@@ -151,10 +155,40 @@ class EvalSection:
 
 
 @dataclass
-class DistillSection:
-    """IIAD distillation (a later issue); present so configs can name it already."""
+class TeacherSection:
+    """One frozen teacher: a training checkpoint run live in the job, or precomputed top-k
+    logits (tools/precompute_teacher_logits.py). Exactly one of the two."""
 
-    enabled: bool = False
+    checkpoint: Optional[str] = None
+    """A training checkpoint (an iter_* folder or a run's checkpoint root: its newest complete
+    one), any architecture; loaded at the student's TP/PP layout (resharded on load)."""
+    logits: Optional[str] = None
+    """A folder of precomputed top-k teacher logits aligned with this run's training data."""
+    weight: float = 1.0
+    name: Optional[str] = None
+    """Metric name suffix (kl_<name>); default: the teacher's architecture."""
+    zero3: bool = False
+    """deepspeed engine: hold this teacher ZeRO-3-partitioned over the data-parallel ranks
+    (parameters gathered layer by layer during its forward) when memory is short."""
+
+
+@dataclass
+class DistillSection:
+    """IIAD distillation (spec 6.3-6.4): loss = CE + kl_weight * sum_t w_t * T^2 * KL(t || s),
+    while start_step < step <= end_step. No teachers: plain training. docs/iiad.md."""
+
+    teachers: list[TeacherSection] = field(default_factory=list)
+    kl_weight: float = 1.0
+    """lambda (the release: 1)."""
+    temperature: float = 1.0
+    """T, applied to teacher and student logits; the KL is scaled by T^2 (the release: 1)."""
+    start_step: int = 0
+    end_step: Optional[int] = None
+    """Distil on steps start_step < step <= end_step (null: to the end). The release's window,
+    on while 5000 < train_steps - step <= 10000, is start_step: 20000, end_step: 25000 of 30k."""
+    positions: str = "labelled"
+    """Which tokens the KL averages over: labelled (the loss mask, like the CE) | all (every
+    shifted position, no label or padding mask: the release's semantics)."""
 
 
 @dataclass
@@ -186,6 +220,8 @@ def _check_type(value: Any, annotation: Any, where: str) -> Any:
     args = typing.get_args(annotation)
     if annotation is Any:
         return value
+    if dataclasses.is_dataclass(annotation):
+        return _build(annotation, value if value is not None else {}, where)
     if origin is Union:
         if value is None and type(None) in args:
             return None
@@ -309,6 +345,32 @@ def _check_model(cfg: TrainConfig) -> None:
                          else f"model: {text}") from None
 
 
+def _check_distill(cfg: TrainConfig) -> None:
+    d = cfg.distill
+    for i, t in enumerate(d.teachers):
+        where = f"distill.teachers[{i}]"
+        if (t.checkpoint is None) == (t.logits is None):
+            raise ValueError(f"{where}: give exactly one of checkpoint (a live teacher) or "
+                             "logits (precomputed top-k logits)")
+        if t.weight < 0:
+            raise ValueError(f"{where}.weight: must be >= 0, got {t.weight}")
+        if t.zero3 and (cfg.parallel.engine != "deepspeed" or t.checkpoint is None):
+            raise ValueError(f"{where}.zero3: a ZeRO-3 teacher needs parallel.engine=deepspeed "
+                             "and a checkpoint teacher")
+    if d.temperature <= 0:
+        raise ValueError(f"distill.temperature: must be > 0, got {d.temperature}")
+    if d.kl_weight < 0:
+        raise ValueError(f"distill.kl_weight: must be >= 0, got {d.kl_weight}")
+    if d.positions not in ("labelled", "all"):
+        raise ValueError(f"distill.positions: unknown {d.positions!r} (labelled | all)")
+    if d.end_step is not None and d.end_step <= d.start_step:
+        raise ValueError(f"distill.end_step: {d.end_step} must be after start_step "
+                         f"{d.start_step}")
+    if cfg.checkpoint.init_from is not None and cfg.checkpoint.load not in ("auto", None):
+        raise ValueError("checkpoint.init_from: only with checkpoint.load auto (a run resumes "
+                         "its own checkpoints, and starts from init_from before it has any)")
+
+
 def validate(cfg: TrainConfig, world_size: Optional[int] = None) -> None:
     """Checks that need several fields at once; world_size adds the layout checks."""
     par = cfg.parallel
@@ -347,6 +409,7 @@ def validate(cfg: TrainConfig, world_size: Optional[int] = None) -> None:
         raise ValueError("eval.tasks_interval must be >= 0 and eval.tasks_batch_size >= 1")
     if ev.tasks_limit is not None and ev.tasks_limit <= 0:
         raise ValueError(f"eval.tasks_limit: must be positive (or null: all), got {ev.tasks_limit}")
+    _check_distill(cfg)
     if cfg.schedule.warmup_steps >= cfg.schedule.train_steps:
         raise ValueError("schedule.warmup_steps: must be shorter than schedule.train_steps")
     _check_model(cfg)

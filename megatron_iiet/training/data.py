@@ -174,9 +174,22 @@ class MicroBatchSampler:
         return (self.total - self.consumed) // (self.mb * self.size)
 
 
+class _WithSampleIndex(torch.utils.data.Dataset):
+    """The dataset's samples with their index (precomputed teacher logits are looked up by it)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return {**self.dataset[index], "sample_index": index}
+
+
 def _to_model_batch(sample: dict) -> dict:
     return {"input_ids": sample["tokens"], "labels": sample["labels"],
-            "loss_mask": sample["loss_mask"]}
+            "loss_mask": sample["loss_mask"], "sample_index": sample["sample_index"]}
 
 
 def micro_batch_loader(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int,
@@ -188,7 +201,11 @@ def micro_batch_loader(dataset, consumed_samples: int, micro_batch_size: int, dp
     # Its own generator: a loader with workers otherwise draws its base seed from the global
     # generator, shifting dropout masks whenever a loader is (re)created, e.g. after a resume.
     # Workers leave preemption signals to the trainer, whatever the start method.
-    loader = DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+    loader = DataLoader(_WithSampleIndex(dataset), batch_sampler=sampler, num_workers=num_workers,
                         persistent_workers=False, generator=torch.Generator().manual_seed(0),
                         worker_init_fn=ignore_preemption_signals if num_workers else None)
-    return (_to_model_batch(b) for b in loader)
+    from megatron_iiet.platform import compute_device
+
+    device = compute_device()  # the model's (on a GPU, batches must follow it there)
+    return ({k: v.to(device, non_blocking=True) for k, v in _to_model_batch(b).items()}
+            for b in loader)

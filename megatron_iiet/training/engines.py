@@ -381,6 +381,7 @@ class DeepSpeedEngine(Engine):
 
     def train_step(self, micro_batches: list[dict]) -> StepResult:
         metrics = []
+        self.objective.prepare(micro_batches, training=True)
         for batch in micro_batches:
             loss, values = self._loss(batch)
             metrics.append(values)
@@ -402,6 +403,7 @@ class DeepSpeedEngine(Engine):
 
     @torch.no_grad()
     def eval_step(self, micro_batches: list[dict]) -> float:
+        self.objective.prepare(micro_batches, training=False)
         return self._means([self._loss(b)[1] for b in micro_batches])[0]
 
     # ---- state -------------------------------------------------------------------------------

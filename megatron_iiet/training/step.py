@@ -83,6 +83,10 @@ class Objective:
         """What ``loss`` reports: the total, and its terms when there are several."""
         return ["loss", "lm", *self.extra_terms] if self.extra_terms else ["loss"]
 
+    def prepare(self, micro_batches: list[dict], training: bool) -> None:
+        """Called by the engines before the micro-batches of a step (``training``) or of a
+        validation pass run: the place for work over the whole step, e.g. teachers."""
+
     def forward(self, model, batch: dict) -> torch.Tensor:
         return model(batch["input_ids"], labels=batch["labels"])
 
@@ -114,6 +118,7 @@ def forward_backward(
     The returned gradients are those of the mean over micro-batches.
     """
     objective = objective or LANGUAGE_MODEL
+    objective.prepare(micro_batches, training=not forward_only)
 
     def forward_step(data_iterator: Iterator, model):
         batch = next(data_iterator)

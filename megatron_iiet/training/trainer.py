@@ -137,8 +137,11 @@ def _lock_run_directories(cfg: TrainConfig, world: int) -> list:
     return locks
 
 
-def _resume_plan(cfg: TrainConfig, root: Path, say) -> tuple[Optional[Path], list]:
-    """(checkpoint to load, checkpoints this run overwrites), decided on rank 0.
+def _resume_plan(cfg: TrainConfig, root: Path, say) -> tuple[Optional[Path], list, bool]:
+    """(checkpoint to load, checkpoints this run overwrites, weights only?), decided on rank 0.
+
+    ``checkpoint.init_from`` is the start of a run that has no checkpoint of its own yet (a
+    student initialised from its IIET); once it has saved, ``load: auto`` resumes it instead.
 
     A start below the newest complete checkpoint of ``root`` (a fresh start, a model-only load, a
     rollback) would, once saving, bury the newer run under its own: refused unless
@@ -147,20 +150,24 @@ def _resume_plan(cfg: TrainConfig, root: Path, say) -> tuple[Optional[Path], lis
     from megatron_iiet.training import checkpoint_index as index
 
     load = cfg.checkpoint.load
+    model_only = cfg.checkpoint.load_model_only
     if load is None:
         path = None
     elif load == "auto":
         path = index.newest_complete(root, warn=say)
+        if path is None and cfg.checkpoint.init_from is not None:
+            path, model_only = index.resolve_checkpoint(cfg.checkpoint.init_from), True
+            say(f"checkpoint.init_from: starting from the weights of {path}")
     else:
         path = index.resolve_checkpoint(load)
     start = 0
-    if path is not None and not cfg.checkpoint.load_model_only:
+    if path is not None and not model_only:
         meta = index.read_meta(path)
         start = 0 if meta.get("model_only") else meta["step"]
     newer = index.newer_than(root, start)
     if newer.newer and not cfg.checkpoint.overwrite:
         raise index.CheckpointError(newer.message(root, start))
-    return path, newer.newer
+    return path, newer.newer, model_only
 
 
 def train(cfg: TrainConfig, objective=None, callbacks: tuple[Callback, ...] = ()) -> TrainSummary:
@@ -213,6 +220,7 @@ def build_trainer(cfg: TrainConfig, preemption, objective=None,
     from megatron.core import parallel_state
 
     from megatron_iiet.distributed import on_rank0
+    from megatron_iiet.iiad.distill import build_distillation
     from megatron_iiet.model.flops import step_flops
     from megatron_iiet.model.gpt import IIETGPTModel
     from megatron_iiet.model.sharding import init_layout_independent
@@ -234,8 +242,7 @@ def build_trainer(cfg: TrainConfig, preemption, objective=None,
     sources = resolve_sources(cfg, rank)
     model_config = build_model_config(cfg, padded_vocab_size(sources.tokenizer.vocab_size))
     root = Path(cfg.checkpoint_dir)
-    load_path, overwritten = on_rank0(lambda: _resume_plan(cfg, root, say))
-    model_only = cfg.checkpoint.load_model_only
+    load_path, overwritten, model_only = on_rank0(lambda: _resume_plan(cfg, root, say))
     if load_path is not None:
         ckpt.check_compatible(ckpt.read_meta(load_path), model_config,
                               sources.tokenizer.fingerprint, load_path, par.engine, model_only)
@@ -243,6 +250,14 @@ def build_trainer(cfg: TrainConfig, preemption, objective=None,
     train_ds, valid_ds = build_datasets(cfg, sources)
     manager = ckpt.CheckpointManager(str(root), cfg.checkpoint.keep_last,
                                      cfg.checkpoint.async_save, replaces=overwritten, log=say)
+
+    distill_objective, distill_callback = build_distillation(cfg, model_config,
+                                                             sources.tokenizer, train_ds)
+    if distill_objective is not None:
+        if objective is not None:
+            raise BadInput("distill: this run was given its own objective; a distill: section "
+                           "would replace it (leave one of the two)")
+        objective = distill_objective
 
     model = IIETGPTModel(model_config)
     init_layout_independent(model, cfg.seed)
@@ -294,7 +309,8 @@ def build_trainer(cfg: TrainConfig, preemption, objective=None,
     callbacks += [CheckpointRecords(cfg.checkpoint.async_save),
                   CheckpointCallback(manager, cfg.checkpoint.save_interval,
                                      state.step if load_path is not None else None),
-                  *([task_callback] if task_callback else []), *(extra_callbacks or ())]
+                  *([task_callback] if task_callback else []),
+                  *([distill_callback] if distill_callback else []), *(extra_callbacks or ())]
     meta_extra = {"config": cfg.to_dict(), "tokenizer_fingerprint": sources.tokenizer.fingerprint,
                   "tokenizer": str(Path(sources.tokenizer.path).resolve()),
                   "architecture": ckpt.architecture_signature(model_config)}
