@@ -7,9 +7,11 @@
 Each layer keeps the smallest number of iterations such that every dropped iteration has
 influence below tau; with --target-passes / --target-speedup, tau is the smallest threshold that
 reaches the target. Prints the plan (passes kept, predicted FLOP and decode-time saving) and
-writes OUTPUT: the checkpoint's own training config with `model.iterations` set to the plan and
-the IIET weights as the starting point (`checkpoint.load`, `load_model_only`), a config that
-`pretrain_iiet.py --config OUTPUT` runs; plus OUTPUT's name with .md (the table) and .json.
+writes OUTPUT: the checkpoint's own training config with `model.iterations` set to the plan, the
+IIET weights as the starting point (`checkpoint.init_from`) and a `distill:` section whose
+teacher is the full IIET (`--teacher` to name others, `--no-distill` for plain continued training
+of the pruned student), a config that `pretrain_iiet.py --config OUTPUT` runs (and resumes);
+plus OUTPUT's name with .md (the table) and .json.
 Details: docs/iiad.md.
 """
 
@@ -38,6 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=None,
                    help="context length for the FLOPs per token (default: the model's)")
     p.add_argument("--output", type=Path, required=True, help="the E-IIET config (YAML)")
+    p.add_argument("--teacher", action="append", default=[], metavar="CKPT[=WEIGHT]",
+                   help="a distillation teacher (repeatable; default: the IIET checkpoint, "
+                        "weight 1)")
+    p.add_argument("--no-distill", action="store_true",
+                   help="no teachers: continued training of the pruned student alone")
+    p.add_argument("--train-steps", type=int, default=None,
+                   help="schedule.train_steps of the student (default: the IIET's)")
     p.add_argument("--run-dir", default=None,
                    help="logging.dir of the E-IIET run (default: outputs/<OUTPUT's stem>)")
     return p
@@ -49,6 +58,17 @@ def main(argv=None) -> int:
         return run(args)
     except OperatorError as err:
         fail(err)
+
+
+def teachers(args, ckpt) -> list[dict]:
+    out = []
+    for text in args.teacher or [str(Path(ckpt).resolve())]:
+        path, _, weight = text.partition("=")
+        try:
+            out.append({"checkpoint": path, "weight": float(weight) if weight else 1.0})
+        except ValueError:
+            raise OperatorError(f"--teacher {text}: expected CKPT or CKPT=WEIGHT") from None
+    return out
 
 
 def run(args) -> int:
@@ -94,12 +114,19 @@ def run(args) -> int:
     config = json.loads(json.dumps(meta["config"]))  # a plain copy
     config["model"]["iterations"] = plan.iterations
     config.setdefault("checkpoint", {}).update(
-        {"load": str(Path(ckpt).resolve()), "load_model_only": True, "dir": None})
+        {"load": "auto", "load_model_only": False, "init_from": str(Path(ckpt).resolve()),
+         "dir": None, "overwrite": False})
+    config["distill"] = {"teachers": [] if args.no_distill else teachers(args, ckpt)}
+    if args.train_steps is not None:
+        schedule = config.setdefault("schedule", {})
+        schedule["train_steps"] = args.train_steps
+        schedule["warmup_steps"] = min(schedule.get("warmup_steps", 10), args.train_steps - 1)
     config.setdefault("logging", {})["dir"] = args.run_dir or f"outputs/{args.output.stem}"
     header = (f"# E-IIET plan from {path} (tools/iiad_plan.py): tau {plan.tau:.6g}, "
               f"{plan.passes} of {plan.full_passes} passes,\n# predicted FLOP saving "
               f"{plan.flops_saving:.1%}, decode-time saving {plan.decode_saving:.1%}.\n"
-              "# The student starts from the IIET weights with the pruned loop.\n")
+              "# The student starts from the IIET weights with the pruned loop"
+              + (".\n" if args.no_distill else "\n# and distils from distill.teachers.\n"))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     write_bytes_atomic(args.output, (header + yaml.safe_dump(config, sort_keys=False)).encode())
     text = table(plan, report.influence)

@@ -137,3 +137,28 @@ def test_offline_topk_kl_equals_live_topk_kl(tp):
         # TP=2's top-k and KL are TP=1's
         assert torch.equal(r["ids"], ref["ids"])
         assert torch.allclose(r["live"], ref["live"], atol=TOL, rtol=0)
+
+
+def zero3_teacher():
+    from megatron_iiet.iiad.distill import LiveTeacher, _zero3_partitioned
+    from megatron_iiet.training.engines import init_deepspeed_distributed
+    from tests.workers import build_tiny, micro_batches
+
+    init_deepspeed_distributed()
+    batch = micro_batches(1)[0]
+    plain = build_tiny(("pcformer_rk2", "history", None)).eval().requires_grad_(False)
+    whole = LiveTeacher("p", 1.0, plain, "-", "pcformer_rk2")
+    with torch.no_grad():
+        expected = whole.logits(batch)
+    held = build_tiny(("pcformer_rk2", "history", None)).eval().requires_grad_(False)
+    partitioned = LiveTeacher("p", 1.0, _zero3_partitioned(held), "-", "pcformer_rk2")
+    return {"gap": float((partitioned.logits(batch) - expected).abs().max()),
+            "whole_bytes": whole.parameter_bytes(), "held_bytes": partitioned.parameter_bytes()}
+
+
+def test_zero3_teacher_gives_the_same_logits_from_a_partition():
+    """DeepSpeed ZeRO-3 holds the teacher partitioned over DP=2: each rank keeps about half of
+    its parameters and gathers them for the forward; the logits are the whole teacher's."""
+    for r in spawn_local(zero3_teacher, 2):
+        assert r["gap"] <= TOL
+        assert r["held_bytes"] <= 0.55 * r["whole_bytes"]

@@ -141,7 +141,13 @@ def test_influence_tool_and_plan_end_to_end(trained_iiet, tmp_path):
     assert plan["passes"] <= 9 and sum(plan["iterations"]) > 0
     cfg = load_config(str(config))  # what pretrain_iiet.py --config reads
     assert cfg.model.iterations == plan["iterations"]
-    assert cfg.checkpoint.load_model_only and Path(cfg.checkpoint.load).exists()
+    assert cfg.checkpoint.load == "auto" and Path(cfg.checkpoint.init_from).exists()
+    assert [t.checkpoint for t in cfg.distill.teachers] == [cfg.checkpoint.init_from]
+    proc = _tool("iiad_plan.py", "--influence", out, "--target-passes", 9, "--output", config,
+                 "--no-distill", "--train-steps", 3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cfg = load_config(str(config))
+    assert cfg.distill.teachers == [] and cfg.schedule.train_steps == 3
 
     proc = _tool("iiad_plan.py", "--influence", out, "--threshold", 1e9, "--output", config)
     _one_line_error(proc, "drops every iteration")
