@@ -234,6 +234,11 @@ def _check_type(value: Any, annotation: Any, where: str) -> Any:
             except ValueError as e:
                 errors.append(str(e))
         raise ValueError(errors[0] if errors else f"{where}: bad value {value!r}")
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: expected a mapping, got {value!r}")
+        inner = args[1] if len(args) == 2 else Any
+        return {k: _check_type(v, inner, f"{where}.{k}") for k, v in value.items()}
     if origin is list or annotation is list:
         if not isinstance(value, list):
             raise ValueError(f"{where}: expected a list, got {value!r}")

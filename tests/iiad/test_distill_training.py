@@ -62,11 +62,18 @@ def _end_digest(log_dir) -> str:
     return records(log_dir, "end")[-1]["params_sha256"]
 
 
-def test_two_live_teachers_window_terms_and_bit_exact_resume(teachers, tmp_path):
-    _, _, runs = teachers
-    whole = tmp_path / "whole"
-    proc = launch(student_overrides(teachers, whole, two_teachers(runs)))
+@pytest.fixture(scope="module")
+def distilled(teachers, tmp_path_factory):
+    """The student distilled from both teachers, uninterrupted."""
+    whole = tmp_path_factory.mktemp("whole") / "run"
+    proc = launch(student_overrides(teachers, whole, two_teachers(teachers[2])))
     check_ok(proc)
+    return whole, proc
+
+
+def test_two_live_teachers_window_terms_and_bit_exact_resume(teachers, distilled, tmp_path):
+    _, _, runs = teachers
+    whole, proc = distilled
     assert "checkpoint.init_from: starting from the weights of" in proc.stdout
     steps = {r["step"]: r for r in records(whole, "train")}
     assert sorted(steps) == list(range(1, STEPS + 1))
@@ -94,10 +101,8 @@ def test_two_live_teachers_window_terms_and_bit_exact_resume(teachers, tmp_path)
     assert _end_digest(split) == _end_digest(whole)
 
 
-def test_distilled_student_exports_to_hf_with_its_iterations(teachers, tmp_path):
-    _, _, runs = teachers
-    log_dir = tmp_path / "student"
-    check_ok(launch(student_overrides(teachers, log_dir, two_teachers(runs))))
+def test_distilled_student_exports_to_hf_with_its_iterations(distilled, tmp_path):
+    log_dir = distilled[0]
     folder = tmp_path / "hf"
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "convert_checkpoint.py"),
                            "megatron-to-hf", str(log_dir / "checkpoints"), str(folder)],

@@ -1,0 +1,228 @@
+"""Running a planned sweep and collecting its results.
+
+``launch`` runs the plan's runs one after another with pretrain_iiet.py (torchrun when
+``nproc`` > 1), phase 1 first (known LRs: the grid), then phase 2 with the grid's best LR per
+architecture carried by the plan's rule. It is idempotent: a run whose metrics say it finished is
+skipped, an unfinished one is started again and resumes from its newest checkpoint (every run
+saves every quarter of its schedule unless the sweep says otherwise). ``task`` picks one run of
+a phase (a SLURM array task).
+
+``collect`` reads every run's metrics.jsonl: status, final training and validation loss, the
+validation curve, and optionally the loss of the final checkpoint on extra validation sets;
+writes results.json and results.csv, and the best LR per architecture when the plan has a grid.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from megatron_iiet.sweep.plan import RunPlan, SweepPlan, run_overrides
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_dir(plan: SweepPlan, run: RunPlan) -> Path:
+    return Path(run.overrides["logging.dir"])
+
+
+def _records(path: Path) -> list[dict]:
+    metrics = path / "metrics.jsonl"
+    if not metrics.is_file():
+        return []
+    out = []
+    for line in metrics.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by a kill: the rest still counts
+            continue
+    return out
+
+
+def run_status(plan: SweepPlan, run: RunPlan) -> str:
+    """finished | partial | missing."""
+    records = _records(run_dir(plan, run))
+    if any(r.get("kind") == "end" and r.get("finished") and r.get("step") == run.train_steps
+           for r in records):
+        return "finished"
+    return "partial" if records else "missing"
+
+
+def best_lrs(plan: SweepPlan) -> dict[str, float]:
+    """Per architecture with a grid: the grid LR of lowest final validation loss (mean over
+    seeds). Raises when a grid run has not finished."""
+    losses: dict[str, dict[float, list[float]]] = {}
+    for run in plan.runs:
+        if not run.grid:
+            continue
+        result = run_result(plan, run)
+        if result["status"] != "finished" or result["valid_loss"] is None:
+            raise ValueError(f"{run.name}: the LR grid run has not finished (launch phase 1 "
+                             "first)")
+        losses.setdefault(run.architecture, {}).setdefault(run.lr, []).append(
+            result["valid_loss"])
+    return {arch: min(by_lr, key=lambda lr: sum(by_lr[lr]) / len(by_lr[lr]))
+            for arch, by_lr in losses.items()}
+
+
+def resolved_lr(plan: SweepPlan, run: RunPlan, best: Optional[dict[str, float]]) -> float:
+    if run.lr is not None:
+        return run.lr
+    if best is None or run.architecture not in best:
+        raise ValueError(f"{run.name}: its LR is the grid's best; collect phase 1 first")
+    return best[run.architecture] * run.lr_factor
+
+
+def _command(plan: SweepPlan, run: RunPlan, lr: float, nproc: int) -> list[str]:
+    sets = run_overrides(run, lr, plan.spec.lr.min_lr_ratio)
+    if "checkpoint.save_interval" not in plan.spec.set:
+        sets.append(f"checkpoint.save_interval={max(1, run.train_steps // 4)}")
+    head = ([sys.executable] if nproc == 1 else
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             f"--nproc-per-node={nproc}"])
+    args = [*head, str(REPO / "pretrain_iiet.py"), "--config", str(plan.base_path.resolve())]
+    for s in sets:
+        args += ["--set", s]
+    return args
+
+
+def launch(plan: SweepPlan, *, nproc: int = 1, phase: Optional[int] = None,
+           task: Optional[int] = None, dry_run: bool = False,
+           say: Callable[[str], None] = print) -> int:
+    """Run what is not finished; returns how many runs it started."""
+    started = 0
+    for current in (1, 2):
+        if phase is not None and current != phase:
+            continue
+        runs = [r for r in plan.runs if r.phase == current]
+        if task is not None:
+            if not 0 <= task < len(runs):
+                raise ValueError(f"task {task}: phase {current} has {len(runs)} runs")
+            runs = [runs[task]]
+        best = None
+        if current == 2 and runs:
+            if dry_run:
+                best = {r.architecture: float("nan") for r in plan.runs}
+            else:
+                best = best_lrs(plan)
+                _write_json(Path(plan.spec.output) / "lr_choice.json", best)
+                say("best grid LR: " + ", ".join(f"{a} {v:.3g}" for a, v in best.items()))
+        for run in runs:
+            status = run_status(plan, run)
+            if status == "finished":
+                say(f"skip {run.name} (finished)")
+                continue
+            cmd = _command(plan, run, resolved_lr(plan, run, best), nproc)
+            if dry_run:
+                say(" ".join(cmd))
+                continue
+            say(f"{'resume' if status == 'partial' else 'start'} {run.name} "
+                f"({run.train_steps} steps, lr {resolved_lr(plan, run, best):.3g})")
+            run_dir(plan, run).mkdir(parents=True, exist_ok=True)
+            log = run_dir(plan, run) / "launch.log"
+            with open(log, "a") as out:
+                proc = subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                      env={**os.environ, "PYTHONWARNINGS": "ignore"})
+            started += 1
+            if proc.returncode != 0:
+                raise RuntimeError(f"{run.name}: pretrain_iiet.py exited {proc.returncode} "
+                                   f"(log: {log})")
+    return started
+
+
+# ---- collect ------------------------------------------------------------------------------
+
+@dataclass
+class ExtraValid:
+    name: str
+    prefix: str
+    batches: int = 8
+    batch_size: int = 4
+
+
+def run_result(plan: SweepPlan, run: RunPlan) -> dict:
+    records = _records(run_dir(plan, run))
+    valid = [r for r in records if r.get("kind") == "valid"]
+    train = [r for r in records if r.get("kind") == "train"]
+    per_step = run.tokens / run.train_steps
+    return {
+        "name": run.name, "architecture": run.architecture, "size": run.size,
+        "seed": run.seed, "lr": run.lr, "lr_factor": run.lr_factor, "grid": run.grid,
+        "phase": run.phase, "params": run.non_embedding_params, "total_params": run.params,
+        "tokens": run.tokens, "flops": run.total_flops, "flops_per_token": run.flops_per_token,
+        "train_steps": run.train_steps, "status": run_status(plan, run),
+        "valid_loss": valid[-1]["loss"] if valid and valid[-1]["step"] == run.train_steps
+        else None,
+        "train_loss": train[-1]["loss"] if train else None,
+        "loss_curve": [(r["step"] * per_step, r["loss"]) for r in valid],
+        "steps_done": train[-1]["step"] if train else 0,
+    }
+
+
+def _extra_losses(plan: SweepPlan, results: list[dict], extra: list[ExtraValid]) -> None:
+    """The final checkpoint of each finished run on each extra validation set (one process)."""
+    if not extra:
+        return
+    from megatron_iiet.eval.checkpoint import load_for_inference
+    from megatron_iiet.hf.megatron_model import one_process_group
+    from megatron_iiet.iiad.influence import calibration_batches, mean_loss
+
+    with one_process_group():
+        for result in results:
+            if result["status"] != "finished":
+                continue
+            run = plan.run(result["name"])
+            loaded = load_for_inference(run_dir(plan, run) / "checkpoints", with_tokenizer=False)
+            for ev in extra:
+                batches = calibration_batches(ev.prefix, ev.batches, ev.batch_size,
+                                              loaded.max_length)
+                result[f"valid_loss_{ev.name}"] = mean_loss(loaded.model, batches)
+
+
+def collect(plan: SweepPlan, extra: Optional[list[ExtraValid]] = None) -> list[dict]:
+    results = [run_result(plan, r) for r in plan.runs]
+    for r in results:  # phase 2 runs: the LR they ran at
+        if r["lr"] is None:
+            choice = Path(plan.spec.output) / "lr_choice.json"
+            if choice.is_file():
+                r["lr"] = json.loads(choice.read_text())[r["architecture"]] * r["lr_factor"]
+    _extra_losses(plan, results, extra or [])
+    out = Path(plan.spec.output)
+    _write_json(out / "results.json", results)
+    _write_csv(out / "results.csv", results)
+    if any(r["grid"] for r in results):
+        try:
+            _write_json(out / "best_lr.json", best_lrs(plan))
+        except ValueError:
+            pass  # the grid is not finished yet: results still written
+    return results
+
+
+def _write_json(path: Path, data) -> None:
+    from megatron_iiet.data.atomic import write_json_atomic
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, data)
+
+
+def _write_csv(path: Path, results: list[dict]) -> None:
+    from megatron_iiet.data.atomic import write_bytes_atomic
+
+    columns = [k for k in results[0] if k != "loss_curve"] if results else []
+    for r in results:
+        columns += [k for k in r if k not in columns and k != "loss_curve"]
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=columns, extrasaction="ignore")
+    writer.writeheader()
+    for r in results:
+        writer.writerow({k: ("" if isinstance(v, float) and math.isnan(v) else v)
+                         for k, v in r.items() if k != "loss_curve"})
+    write_bytes_atomic(path, text.getvalue().encode())

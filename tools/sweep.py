@@ -1,0 +1,151 @@
+"""Scaling-law sweeps: plan, launch, collect, fit (docs/scaling.md).
+
+    python tools/sweep.py plan examples/sweeps/cpu_ladder.yaml --dry-run
+    python tools/sweep.py launch examples/sweeps/cpu_ladder.yaml [--nproc 2] [--phase 1 --task I]
+    python tools/sweep.py collect examples/sweeps/cpu_ladder.yaml [--extra-valid NAME=PREFIX]
+    python tools/sweep.py fit examples/sweeps/cpu_ladder.yaml [--valid NAME] [--bootstrap 200]
+
+plan: the concrete runs (parameters, FLOPs per token with every pass, tokens, total FLOPs,
+estimated time); errors in the sweep are one line before anything runs. launch: runs what is not
+finished, resuming unfinished runs, phase 1 (the LR grid) then phase 2 (the grid's best LR
+carried up); --task I runs the I-th run of --phase (a SLURM array task). collect: results.json /
+results.csv (and best_lr.json) in the sweep's output folder. fit: per architecture
+L(N, D) = E + A/N^alpha + B/D^beta with bootstrap intervals and the compute frontier; writes
+fit.md and PNG plots next to the results.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_iiet.cli import fail  # noqa: E402
+from megatron_iiet.errors import OperatorError  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    for name in ("plan", "launch", "collect", "fit"):
+        s = sub.add_parser(name)
+        s.add_argument("sweep", help="the sweep YAML")
+        s.add_argument("--flops-per-second", type=float, default=None,
+                       help="sustained FLOP/s per run for time estimates (default: measured)")
+        if name == "plan":
+            s.add_argument("--dry-run", action="store_true", help="print the table only")
+        if name == "launch":
+            s.add_argument("--nproc", type=int, default=1, help="processes per run (torchrun)")
+            s.add_argument("--phase", type=int, choices=(1, 2), default=None)
+            s.add_argument("--task", type=int, default=None,
+                           help="only the TASK-th run of --phase (SLURM array index)")
+            s.add_argument("--dry-run", action="store_true", help="print the commands")
+        if name == "collect":
+            s.add_argument("--extra-valid", action="append", default=[], metavar="NAME=PREFIX",
+                           help="also score each final checkpoint on this dataset (repeatable)")
+        if name == "fit":
+            s.add_argument("--valid", default=None,
+                           help="which validation loss to fit (an --extra-valid NAME of collect; "
+                                "default: the run's own validation)")
+            s.add_argument("--bootstrap", type=int, default=200)
+    return p
+
+
+def _rate(args) -> float:
+    if args.flops_per_second:
+        return args.flops_per_second
+    import torch
+
+    from megatron_iiet.training.metrics import measured_peak_flops
+
+    # a training step sustains about a third of a large matmul's rate on CPU (measured with
+    # bench/bench_training.py); the estimate is a guide, not a promise
+    return measured_peak_flops(torch.float32) / 3
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except OperatorError as err:
+        fail(err)
+
+
+def run(args) -> int:
+    from megatron_iiet.sweep.plan import plan_sweep, plan_table
+
+    if args.command == "launch" and args.task is not None and args.phase is None:
+        raise OperatorError("--task needs --phase (the index counts the runs of one phase)")
+    try:
+        plan = plan_sweep(args.sweep, _rate(args) if args.command == "plan" else 1.0)
+    except ValueError as err:
+        raise OperatorError(f"{args.sweep}: {err}") from None
+    if args.command == "plan":
+        print(plan_table(plan))
+        if not args.dry_run:
+            from megatron_iiet.data.atomic import write_bytes_atomic
+
+            out = Path(plan.spec.output)
+            out.mkdir(parents=True, exist_ok=True)
+            write_bytes_atomic(out / "plan.md", (plan_table(plan) + "\n").encode())
+            print(f"wrote {out / 'plan.md'}")
+        return 0
+    if args.command == "launch":
+        from megatron_iiet.sweep.runner import launch
+
+        try:
+            launch(plan, nproc=args.nproc, phase=args.phase, task=args.task,
+                   dry_run=args.dry_run)
+        except ValueError as err:
+            raise OperatorError(str(err)) from None
+        except RuntimeError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+        return 0
+    if args.command == "collect":
+        from megatron_iiet.sweep.runner import ExtraValid, collect
+
+        extra = []
+        for text in args.extra_valid:
+            name, _, prefix = text.partition("=")
+            if not name or not prefix:
+                raise OperatorError(f"--extra-valid {text}: expected NAME=PREFIX")
+            extra.append(ExtraValid(name, prefix))
+        results = collect(plan, extra)
+        done = sum(r["status"] == "finished" for r in results)
+        print(f"{done} of {len(results)} runs finished; wrote {plan.spec.output}/results.json, "
+              "results.csv")
+        return 0
+    return _fit(plan, args)
+
+
+def _fit(plan, args) -> int:
+    import json
+
+    from megatron_iiet.data.atomic import write_bytes_atomic
+    from megatron_iiet.sweep import fit
+
+    out = Path(plan.spec.output)
+    results_file = out / "results.json"
+    if not results_file.is_file():
+        raise OperatorError(f"{results_file}: not there; run `tools/sweep.py collect` first")
+    key = f"valid_loss_{args.valid}" if args.valid else "valid_loss"
+    rows = [dict(r, loss=r[key]) for r in json.loads(results_file.read_text())
+            if r["status"] == "finished" and r.get(key) is not None]
+    if not rows:
+        raise OperatorError(f"{results_file}: no finished run has {key}")
+    sweep_fit = fit.fit_sweep(rows, n_boot=args.bootstrap)
+    suffix = f"_{args.valid}" if args.valid else ""
+    fit.plot_loss_vs_flops(rows, sweep_fit, out / f"loss_vs_flops{suffix}.png")
+    fit.plot_loss_vs_tokens(rows, out / f"loss_vs_tokens{suffix}.png")
+    fit.plot_residuals(rows, sweep_fit, out / f"residuals{suffix}.png")
+    text = fit.report_markdown(rows, sweep_fit)
+    write_bytes_atomic(out / f"fit{suffix}.md", text.encode())
+    print(text)
+    print(f"wrote {out}/fit{suffix}.md and the PNG plots")
+    return 0
+
+
+if __name__ == "__main__":  # the guard matters: dist_checkpointing's reader re-imports __main__
+    sys.exit(main())
