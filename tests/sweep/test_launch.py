@@ -1,0 +1,96 @@
+"""`tools/sweep.py launch` then `collect` on a 3-run tiny ladder (an LR grid of two values at the
+small size, the best carried to the larger one): killed in the middle of its second run and
+launched again, it skips the finished run, resumes the unfinished one from its checkpoint, runs
+the third with the grid's best LR and collects three results."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def _sweep(tmp_path, data) -> Path:
+    tree = {
+        "name": "t3", "base": str(REPO / "examples" / "tiny_iiet.yaml"),
+        "output": str(tmp_path / "out"), "architectures": ["vanilla"],
+        "set": {"data.train": data.data_prefix, "data.tokenizer": data.tokenizer_model,
+                "data.num_workers": 0, "data.split": "80,20,0",
+                "data.cache_dir": str(tmp_path / "cache"), "logging.progress_bar": False,
+                "logging.tensorboard": False, "eval.steps": 1},
+        "sizes": [{"name": "xs", "num_layers": 2, "hidden_size": 32},
+                  {"name": "s", "num_layers": 2, "hidden_size": 64}],
+        "tokens": [64 * 4 * 32], "batch": {"global_batch_size": 4, "micro_batch_size": 4,
+                                           "seq_length": 32},
+        "shape_rules": {"head_dim": 16},
+        "lr": {"grid": {"vanilla": [3e-3, 1e-4]}, "carry": "inverse_width"},
+        "seeds": [1],
+    }
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def _cli(*args, wait=True):
+    cmd = [sys.executable, str(REPO / "tools" / "sweep.py"), *map(str, args)]
+    if not wait:
+        return subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
+
+
+def _records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def test_launch_kill_relaunch_collect(tmp_path, tiny_data):
+    sweep = _sweep(tmp_path, tiny_data)
+    runs = tmp_path / "out" / "runs"
+    first, second = runs / "vanilla_xs_8.192K_lr0.003_s1", runs / "vanilla_xs_8.192K_lr0.0001_s1"
+    proc = _cli("launch", sweep, wait=False)
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        saved = [r for r in _records(second) if r.get("kind") == "checkpoint"]
+        if saved:
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert any(r.get("kind") == "end" and r.get("finished") for r in _records(first))
+    assert not any(r.get("kind") == "end" for r in _records(second))  # killed mid-way
+
+    again = _cli("launch", sweep)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"skip {first.name} (finished)" in again.stdout
+    assert f"resume {second.name}" in again.stdout
+    assert "best grid LR: vanilla 0.003" in again.stdout
+    assert any(r.get("kind") == "resume" for r in _records(second))
+
+    collected = _cli("collect", sweep)
+    assert collected.returncode == 0, collected.stderr[-3000:]
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert len(results) == 3 and all(r["status"] == "finished" for r in results)
+    assert all(r["valid_loss"] is not None and r["loss_curve"] for r in results)
+    carried = next(r for r in results if r["size"] == "s")
+    assert abs(carried["lr"] - 3e-3 * 32 / 64) < 1e-12  # inverse-width carry of the best
+    assert json.loads((tmp_path / "out" / "best_lr.json").read_text()) == {"vanilla": 3e-3}
+    assert (tmp_path / "out" / "results.csv").read_text().count("\n") == 4
+
+    third = _cli("launch", sweep)  # nothing left to do
+    assert third.stdout.count("(finished)") == 3 and "start" not in third.stdout

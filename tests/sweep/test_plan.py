@@ -1,0 +1,106 @@
+"""`tools/sweep.py plan`: the runs' FLOPs per token are what the built model computes (counted by
+torch's FlopCounterMode over a forward, every pass included), and a bad sweep is one line
+before anything runs."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+ARCHS = ["vanilla", "ode_rk2", "ode_rk4", "pcformer_rk2", "iiet"]
+
+
+def write_sweep(tmp_path, **changes) -> Path:
+    tree = {
+        "name": "t", "base": str(REPO / "examples" / "tiny_iiet.yaml"),
+        "output": str(tmp_path / "sweep"), "architectures": ARCHS,
+        "set": {"data.builtin_dir": str(tmp_path / "builtin"), "data.builtin_vocab_size": 512},
+        "sizes": [{"name": "xs", "num_layers": 2, "hidden_size": 32},
+                  {"name": "s", "num_layers": 3, "hidden_size": 48}],
+        "tokens": [2048], "batch": {"global_batch_size": 4, "micro_batch_size": 2,
+                                    "seq_length": 32},
+        "shape_rules": {"head_dim": 16},
+        "lr": {"values": {a: 1e-3 for a in ARCHS}},
+    }
+    tree.update(changes)
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def counted_flops(plan_sweep_path):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_iiet.hf.megatron_model import one_process_group
+    from megatron_iiet.model.gpt import IIETGPTModel
+    from megatron_iiet.sweep.plan import plan_sweep
+    from megatron_iiet.training.config import build_model_config, load_config, padded_vocab_size
+    from megatron_iiet.sweep.plan import as_sets
+
+    plan = plan_sweep(plan_sweep_path, flops_per_second=1e9)
+    out = []
+    with one_process_group():
+        for run in plan.runs:
+            cfg = load_config(str(plan.base_path), as_sets(run.overrides))
+            model = IIETGPTModel(build_model_config(cfg, padded_vocab_size(512)))
+            ids = torch.randint(0, 512, (1, cfg.data.seq_length))
+            with FlopCounterMode(display=False) as counter, torch.no_grad():
+                model(ids)
+            direct = 3 * counter.get_total_flops() / cfg.data.seq_length  # forward + backward
+            params = sum(p.numel() for p in model.parameters())
+            out.append((run, direct, params))
+    return out
+
+
+def test_plan_flops_and_parameters_match_the_built_model(tmp_path):
+    rows = counted_flops(write_sweep(tmp_path))
+    assert {r.architecture for r, _, _ in rows} == set(ARCHS) and len(rows) == 10
+    for run, direct, params in rows:
+        # exact but for the history's partial-sum matmuls (history architectures, ~0.1%),
+        # which model/flops.py leaves out by design
+        assert run.flops_per_token == pytest.approx(direct, rel=5e-3), run.name
+        assert run.params == params, run.name
+        assert run.total_flops == pytest.approx(run.flops_per_token * run.tokens)
+    iiet = {r.size: r for r, _, _ in rows if r.architecture == "iiet"}
+    vanilla = {r.size: r for r, _, _ in rows if r.architecture == "vanilla"}
+    assert iiet["s"].tokens == vanilla["s"].tokens  # equal tokens across architectures
+    assert iiet["s"].flops_per_token > 2.5 * vanilla["s"].flops_per_token * 0.5  # 4 passes
+
+
+def _plan_cli(path):
+    return subprocess.run([sys.executable, str(REPO / "tools" / "sweep.py"), "plan", str(path),
+                           "--dry-run", "--flops-per-second", "1e9"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("changes,words", [
+    ({"architectures": ["vanilla", "transformer_xl"]}, "architectures[1]: unknown 'transformer_xl'"),
+    ({"learning_rate": 1e-3}, "learning_rate: unknown key"),
+    ({"sizes": [{"name": "xs", "num_layers": 2, "hidden_size": 40}]},
+     "hidden_size 40 is not divisible by shape_rules.head_dim 16"),
+    ({"sizes": [{"name": "xs", "num_layers": 2, "hidden_size": 48, "num_attention_heads": 5}]},
+     "not divisible by 5 attention heads"),
+    ({"sizes": [{"name": "xs", "num_layers": 2, "hidden_size": 32, "width": 3}]},
+     "sizes[0].width: unknown key"),
+])
+def test_bad_sweep_is_refused_with_its_reason(tmp_path, changes, words):
+    from megatron_iiet.sweep.plan import plan_sweep
+
+    with pytest.raises(ValueError) as err:
+        plan_sweep(write_sweep(tmp_path, **changes), flops_per_second=1e9)
+    assert words in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_the_cli_says_it_in_one_line_and_exits_2(tmp_path):
+    proc = _plan_cli(write_sweep(tmp_path, architectures=["vanilla", "transformer_xl"]))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "unknown 'transformer_xl'" in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
