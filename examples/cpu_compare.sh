@@ -58,7 +58,8 @@ mkdir -p "$OUT/raw" "$OUT/data"
 
 # 1. The books without their Project Gutenberg header and licence (one book = one document), and
 #    WikiText-2 valid as one document (its .raw suffix is not an input type the tools know).
-if [ ! -s "$OUT/raw/gutenberg.jsonl" ] || [ ! -s "$OUT/raw/wikitext2_valid.jsonl" ]; then
+if [ ! -s "$OUT/raw/gutenberg.jsonl" ] || [ ! -s "$OUT/raw/wikitext2_valid.jsonl" ] \
+   || [ ! -s "$OUT/raw/gutenberg_heldout.jsonl" ]; then
   echo "== stripping Gutenberg boilerplate -> $OUT/raw/gutenberg.jsonl, $OUT/raw/wikitext2_valid.jsonl"
   "$PY" - "$SHARED/gutenberg" "$VALID_RAW" "$OUT/raw" <<'PYEOF'
 import json, os, sys
@@ -74,9 +75,13 @@ def write_jsonl(path, records):
 
 books_dir, valid_raw, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 books = sorted(books_dir.glob("*.txt"))
-write_jsonl(out / "gutenberg.jsonl", (
-    {"text": strip_gutenberg_boilerplate(b.read_text(encoding="utf-8-sig"), str(b)), "source": b.name}
-    for b in books))
+records = [{"text": strip_gutenberg_boilerplate(b.read_text(encoding="utf-8-sig"), str(b)),
+            "source": b.name} for b in books]
+write_jsonl(out / "gutenberg.jsonl", records)
+# In-domain validation (the IIAD experiment, the scaling ladder): one book held out of training.
+HELD_OUT = "1342-0.txt"  # Pride and Prejudice, ~170k tokens
+write_jsonl(out / "gutenberg_train.jsonl", [r for r in records if r["source"] != HELD_OUT])
+write_jsonl(out / "gutenberg_heldout.jsonl", [r for r in records if r["source"] == HELD_OUT])
 write_jsonl(out / "wikitext2_valid.jsonl",
             [{"text": valid_raw.read_text(encoding="utf-8"), "source": valid_raw.name}])
 print(f"{len(books)} books ({(out / 'gutenberg.jsonl').stat().st_size / 2**20:.1f} MiB), "
@@ -96,12 +101,18 @@ echo "== preprocessing Gutenberg -> $OUT/data/gutenberg"
 "$PY" tools/preprocess_data.py --input "$OUT/raw/gutenberg.jsonl" --text-key text \
     --tokenizer "$OUT/tokenizer/tokenizer.model" --output-prefix "$OUT/data/gutenberg" \
     --workers 2 --no-progress
+for part in gutenberg_train gutenberg_heldout; do
+  echo "== preprocessing $part -> $OUT/data/$part"
+  "$PY" tools/preprocess_data.py --input "$OUT/raw/$part.jsonl" --text-key text \
+      --tokenizer "$OUT/tokenizer/tokenizer.model" --output-prefix "$OUT/data/$part" \
+      --workers 2 --no-progress
+done
 echo "== preprocessing WikiText-2 valid -> $OUT/data/wikitext2_valid"
 "$PY" tools/preprocess_data.py --input "$OUT/raw/wikitext2_valid.jsonl" --text-key text \
     --tokenizer "$OUT/tokenizer/tokenizer.model" --output-prefix "$OUT/data/wikitext2_valid" \
     --workers 1 --no-progress
 if [ "$PREPARE_ONLY" = 1 ]; then
-  echo "prepared: tokenizer $OUT/tokenizer, datasets $OUT/data/{gutenberg,wikitext2_valid}"
+  echo "prepared: tokenizer $OUT/tokenizer, datasets $OUT/data/{gutenberg,gutenberg_train,gutenberg_heldout,wikitext2_valid}"
   exit 0
 fi
 

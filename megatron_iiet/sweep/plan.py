@@ -35,6 +35,8 @@ class SizeSpec:
     """Default: hidden_size x shape_rules.ffn_ratio, rounded up to shape_rules.ffn_multiple."""
     tokens: Optional[list[float]] = None
     """This size's token budgets (default: the sweep's `tokens`)."""
+    set: dict[str, Any] = field(default_factory=dict)
+    """Overrides for this size's runs (e.g. untied embeddings, TP/PP at the large sizes)."""
 
 
 @dataclass
@@ -89,6 +91,9 @@ class SweepSpec:
     warmup_fraction: float = 0.05
     seeds: list[int] = field(default_factory=lambda: [1234])
     noise: NoiseSpec = field(default_factory=NoiseSpec)
+    vocab_size: Optional[int] = None
+    """The tokenizer's vocabulary, for planning where the tokenizer is not on this machine
+    (default: read from data.tokenizer)."""
     flops_per_second: Optional[float] = None
     """Sustained training FLOP/s per run for the time estimate (default: measured here)."""
 
@@ -253,7 +258,8 @@ def plan_sweep(sweep_path: str | Path, flops_per_second: Optional[float] = None)
     rate = flops_per_second or spec.flops_per_second
     runs: list[RunPlan] = []
     try:
-        vocab = _tokenizer_vocab(load_config(str(base), as_sets(spec.set)))
+        vocab = spec.vocab_size or _tokenizer_vocab(load_config(str(base), as_sets(spec.set),
+                                                                here=False))
     except ValueError as err:
         raise ValueError(f"base + set: {err}") from None
     with one_process_group():
@@ -296,6 +302,7 @@ def _run(spec, base, arch, size, shape, tokens, lr, factor, grid, seed, rate, vo
     overrides: dict[str, Any] = dict(spec.set)
     overrides.update(spec.arch_set.get(arch, {}))
     overrides.update(shape)
+    overrides.update(size.set)
     overrides["model.architecture"] = arch
     overrides["seed"] = seed
     overrides["parallel.global_batch_size"] = spec.batch.global_batch_size
@@ -305,7 +312,8 @@ def _run(spec, base, arch, size, shape, tokens, lr, factor, grid, seed, rate, vo
     lr_tag = f"lr{lr:g}" if lr is not None else "lrbest"
     name = f"{arch}_{size.name}_{_tokens_tag(tokens)}_{lr_tag}_s{seed}"
     where = f"run {name}"
-    seq = spec.batch.seq_length or load_config(str(base), as_sets(spec.set)).data.seq_length
+    seq = (spec.batch.seq_length
+           or load_config(str(base), as_sets(spec.set), here=False).data.seq_length)
     per_step = spec.batch.global_batch_size * seq
     steps = max(1, round(tokens / per_step))
     overrides["schedule.train_steps"] = steps
@@ -314,7 +322,7 @@ def _run(spec, base, arch, size, shape, tokens, lr, factor, grid, seed, rate, vo
     overrides["checkpoint.load"] = "auto"
     overrides["checkpoint.dir"] = None  # each run its own
     try:
-        cfg = load_config(str(base), as_sets(overrides))
+        cfg = load_config(str(base), as_sets(overrides), here=False)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
     try:

@@ -294,7 +294,10 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), yaml.safe_load(raw) if raw.strip() else None
 
 
-def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> TrainConfig:
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None,
+                here: bool = True) -> TrainConfig:
+    """``here=False`` skips the checks of what this machine can run (a config planned for a
+    GPU cluster, e.g. by tools/sweep.py plan)."""
     tree: dict = {}
     if path is not None:
         p = Path(path)
@@ -305,7 +308,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
     cfg = _build(TrainConfig, tree, "")
-    validate(cfg)
+    validate(cfg, here=here)
     return cfg
 
 
@@ -376,7 +379,7 @@ def _check_distill(cfg: TrainConfig) -> None:
                          "its own checkpoints, and starts from init_from before it has any)")
 
 
-def validate(cfg: TrainConfig, world_size: Optional[int] = None) -> None:
+def validate(cfg: TrainConfig, world_size: Optional[int] = None, here: bool = True) -> None:
     """Checks that need several fields at once; world_size adds the layout checks."""
     par = cfg.parallel
     if par.engine not in ("megatron", "deepspeed"):
@@ -385,12 +388,12 @@ def validate(cfg: TrainConfig, world_size: Optional[int] = None) -> None:
         raise ValueError(f"parallel.precision: unknown {par.precision!r} (fp32 | bf16 | fp16)")
     from megatron_iiet.platform import gpu_only_refusal
 
-    if par.engine == "megatron" and par.precision != "fp32":
+    if here and par.engine == "megatron" and par.precision != "fp32":
         refusal = gpu_only_refusal("mixed_precision_optimizer")
         if refusal:
             raise ValueError(f"parallel.precision: {par.precision} with the megatron engine "
                              f"{refusal}")
-    if par.use_distributed_optimizer and par.engine == "megatron":
+    if here and par.use_distributed_optimizer and par.engine == "megatron":
         refusal = gpu_only_refusal("distributed_optimizer")
         if refusal:
             raise ValueError(f"parallel.use_distributed_optimizer: megatron's distributed "

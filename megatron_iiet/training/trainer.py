@@ -273,8 +273,10 @@ def build_trainer(cfg: TrainConfig, preemption, objective=None,
                              cfg.logging.tensorboard, cfg.logging.progress_bar)
     manager.log = reporter.message
     if load_path is not None:
-        reporter.message(f"resumed from {load_path} at step {state.step}")
-        reporter.event("resume", state.step, path=str(load_path), seconds=load_seconds)
+        reporter.message(f"took the weights of {load_path} (fresh optimizer and schedule)"
+                         if model_only else f"resumed from {load_path} at step {state.step}")
+        reporter.event("resume", state.step, path=str(load_path), seconds=load_seconds,
+                       model_only=model_only)
 
     num_micro = par.global_batch_size // (par.micro_batch_size * dp)
     micro = micro_batch_loader(train_ds, state.consumed_samples, par.micro_batch_size, dp_rank,
