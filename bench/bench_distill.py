@@ -3,13 +3,14 @@
 
     .venv/bin/python bench/bench_distill.py [--layers 4 --hidden 128 --seq 256 --micro-batch 8]
 
-One process, one thread, fp32: a student E-IIET step (forward + backward over --micro-batches,
-megatron's schedule, the trainer's objective; the optimizer step is the same in every row and
-left out) with no teacher, one live teacher (the full IIET), two live teachers (IIET and
-PCformer-RK2) and one offline top-k teacher (precomputed logits read from shards). Each row runs
-in its own child process, so its peak RSS is its own; the rows run one after another in one
-invocation. Prints a table (median step time of --steps after --warmup, peak RSS, teacher
-parameters and logits held) and the ratios to the plain step.
+One thread, fp32: a student E-IIET step (forward + backward over --micro-batches, megatron's
+schedule, the trainer's objective; the optimizer step is the same in every row and left out)
+with no teacher, one live teacher (the full IIET), two live teachers (IIET and PCformer-RK2) and
+one offline top-k teacher (precomputed logits read from shards). Time: one process builds every
+row and runs their steps round-robin (background load hits them alike), median of --steps after
+--warmup. Memory: each row again in its own child process, whose peak RSS is its own. Prints a
+table (step time, its ratio to the plain step, the teachers' share, peak RSS, teacher parameters
+and logits held).
 """
 
 from __future__ import annotations
@@ -44,21 +45,14 @@ def build(arch, args, iterations=None, seed=1234):
     return model
 
 
-def child(args) -> dict:
-    import resource
-
+def setup(args, row: str):
+    """(student, objective or None, micro-batches, keep-alive) of one row."""
     import torch
 
-    from megatron_iiet.distributed import free_port, initialize
     from megatron_iiet.iiad.distill import DistillationObjective, LiveTeacher
     from megatron_iiet.iiad.kl import vocab_parallel_topk
     from megatron_iiet.iiad.teacher_logits import OfflineTeacher, shard_bytes
-    from megatron_iiet.training.step import forward_backward
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
-                      WORLD_SIZE="1")
-    initialize(1, 1)
     g = torch.Generator().manual_seed(0)
     batches = []
     for i in range(args.micro_batches):
@@ -71,14 +65,14 @@ def child(args) -> dict:
     plan = [int(x) for x in args.plan.split(",")]
     student = build("iiet", args, plan)
     teachers = []
-    if args.row in ("iiet", "iiet+pcformer", "offline top-k"):
+    if row in ("iiet", "iiet+pcformer", "offline top-k"):
         full = build("iiet", args).eval().requires_grad_(False)
         teachers.append(LiveTeacher("iiet", 1.0, full, "-", "iiet"))
-    if args.row == "iiet+pcformer":
+    if row == "iiet+pcformer":
         pcf = build("pcformer_rk2", args, seed=7).eval().requires_grad_(False)
         teachers.append(LiveTeacher("pcformer", 0.5, pcf, "-", "pcformer_rk2"))
     tmp = None
-    if args.row == "offline top-k":
+    if row == "offline top-k":
         tmp = tempfile.TemporaryDirectory()
         ids, values, sums = [], [], []
         with torch.no_grad():
@@ -94,18 +88,59 @@ def child(args) -> dict:
                                    {"shard_samples": args.micro_batches * args.micro_batch},
                                    "bench")]
     objective = DistillationObjective(teachers) if teachers else None
-    times = []
-    for step in range(args.warmup + args.steps):
-        student.zero_grad()
-        t0 = time.perf_counter()
-        forward_backward(student, batches, objective=objective)
-        times.append(time.perf_counter() - t0)
-    live = [t for t in teachers if isinstance(t, LiveTeacher)]
-    return {"row": args.row, "step_s": statistics.median(times[args.warmup:]),
-            "teacher_s": objective.teacher_seconds if objective else 0.0,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    return student, objective, batches, tmp
+
+
+def _init_one_process(torch):
+    from megatron_iiet.distributed import free_port, initialize
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
+                      WORLD_SIZE="1")
+    initialize(1, 1)
+
+
+def step(student, objective, batches) -> float:
+    from megatron_iiet.training.step import forward_backward
+
+    student.zero_grad()
+    t0 = time.perf_counter()
+    forward_backward(student, batches, objective=objective)
+    return time.perf_counter() - t0
+
+
+def memory_child(args) -> dict:
+    """One row alone: its peak RSS after a few steps, and what its teachers hold."""
+    import resource
+
+    import torch
+
+    from megatron_iiet.iiad.distill import LiveTeacher
+
+    _init_one_process(torch)
+    student, objective, batches, _keep = setup(args, args.row)
+    for _ in range(2):
+        step(student, objective, batches)
+    live = [t for t in (objective.teachers if objective else []) if isinstance(t, LiveTeacher)]
+    return {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "teacher_params_mb": sum(t.parameter_bytes() for t in live) / 2**20,
             "teacher_logits_mb": (objective.peak_logits_bytes / 2**20) if objective else 0.0}
+
+
+def timing_child(args) -> dict:
+    """Every row in one process, steps round-robin."""
+    import torch
+
+    _init_one_process(torch)
+    rows = {row: setup(args, row) for row in ROWS}
+    times = {row: [] for row in ROWS}
+    teacher = {row: [] for row in ROWS}
+    for _ in range(args.warmup + args.steps):
+        for row, (student, objective, batches, _keep) in rows.items():
+            times[row].append(step(student, objective, batches))
+            teacher[row].append(objective.teacher_seconds if objective else 0.0)
+    return {row: {"step_s": statistics.median(times[row][args.warmup:]),
+                  "teacher_s": statistics.median(teacher[row][args.warmup:])} for row in ROWS}
 
 
 def main() -> int:
@@ -124,19 +159,22 @@ def main() -> int:
     p.add_argument("--row", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.row is not None:
-        print(json.dumps(child(args)))
+        print(json.dumps(timing_child(args) if args.row == "timing" else memory_child(args)))
         return 0
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    results = []
-    for row in ROWS:
+
+    def child(row: str) -> dict:
         cmd = [sys.executable, __file__, *sys.argv[1:], "--row", row]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(f"  measured {row}", file=sys.stderr)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    timing = child("timing")
+    results = [{"row": row, **timing[row], **child(row)} for row in ROWS]
     base = results[0]
     print(f"student iterations {args.plan} (teacher: full IIET r=3), {args.layers} layers x "
           f"{args.hidden}, vocab {args.vocab}, {args.micro_batches} x {args.micro_batch} x "
-          f"{args.seq} tokens per step, 1 thread, median of {args.steps} steps\n")
+          f"{args.seq} tokens per step, 1 thread, median of {args.steps} round-robin steps\n")
     print("| teachers | step s | x plain | teacher s | peak RSS MB | +MB vs plain | teacher "
           "params MB | teacher logits MB |")
     print("|---|---|---|---|---|---|---|---|")
