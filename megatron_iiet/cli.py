@@ -12,6 +12,27 @@ def fail(error: BaseException) -> None:
     raise SystemExit(2)
 
 
+def run_tool(run, args, distributed: bool = False) -> int:
+    """A tool's main: ``run(args)``, an operator's mistake as one line and exit 2 (``fail``).
+    ``distributed``: a tool launched under torchrun, whose process groups are torn down at the
+    end, with DeepSpeed's accelerator named first (it reads the platform at import)."""
+    from megatron_iiet.errors import OperatorError
+
+    if distributed:
+        from megatron_iiet.platform import name_deepspeed_accelerator
+
+        name_deepspeed_accelerator()
+    try:
+        return run(args)
+    except OperatorError as err:
+        fail(err)
+    finally:
+        if distributed:
+            from megatron_iiet.distributed import teardown
+
+            teardown()
+
+
 def parse_iterations(text: str):
     """argparse type of --iterations: '3' -> 3 (every layer); '3,2,1,0' -> one entry per layer."""
     try:

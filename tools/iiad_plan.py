@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_iiet.cli import fail  # noqa: E402
+from megatron_iiet.cli import run_tool  # noqa: E402
 from megatron_iiet.errors import OperatorError  # noqa: E402
 
 
@@ -53,11 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except OperatorError as err:
-        fail(err)
+    return run_tool(run, build_parser().parse_args(argv))
 
 
 def teachers(args, ckpt) -> list[dict]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_iiet.cli import fail  # noqa: E402
+from megatron_iiet.cli import run_tool  # noqa: E402
 from megatron_iiet.errors import OperatorError  # noqa: E402
 
 
@@ -56,18 +56,7 @@ def parse_slice(text: str) -> tuple[int, int]:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    from megatron_iiet.platform import name_deepspeed_accelerator
-
-    name_deepspeed_accelerator()
-    try:
-        return run(args)
-    except OperatorError as err:
-        fail(err)
-    finally:
-        from megatron_iiet.distributed import teardown
-
-        teardown()
+    return run_tool(run, build_parser().parse_args(argv), distributed=True)
 
 
 def _index(args, cfg, dataset, tokenizer, teacher_meta, samples: int) -> dict:
