@@ -104,3 +104,18 @@ def test_the_cli_says_it_in_one_line_and_exits_2(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "unknown 'transformer_xl'" in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("name,runs", [("cpu_ladder", 48), ("paper_340m_1.3b", 45)])
+def test_the_example_sweeps_plan(name, runs):
+    """The shipped ladders plan anywhere (no data, no GPU needed to plan)."""
+    from megatron_iiet.sweep.plan import plan_sweep
+
+    plan = plan_sweep(REPO / "examples" / "sweeps" / f"{name}.yaml", flops_per_second=1e11)
+    assert len(plan.runs) == runs
+    archs = {r.architecture for r in plan.runs}
+    assert archs == {"vanilla", "pcformer_rk2", "iiet"}
+    for size in {r.size for r in plan.runs}:  # equal tokens across architectures
+        budgets = {a: sorted(r.tokens for r in plan.runs if r.size == size and r.architecture == a)
+                   for a in archs}
+        assert len({tuple(set(b)) for b in budgets.values()}) == 1, size
