@@ -31,8 +31,6 @@ ROWS = ["plain", "iiet", "iiet+pcformer", "offline top-k"]
 
 
 def build(arch, args, iterations=None, seed=1234):
-    from megatron.core import parallel_state as ps  # noqa: F401
-
     from megatron_iiet.model.config import preset
     from megatron_iiet.model.gpt import IIETGPTModel
     from megatron_iiet.model.sharding import init_layout_independent

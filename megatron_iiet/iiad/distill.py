@@ -174,8 +174,8 @@ class DistillationCallback(Callback):
 
 # ---- building from the config -----------------------------------------------------------------
 
-def load_live_teacher(index: int, section, model_config, tokenizer_fingerprint: str,
-                      engine: str) -> LiveTeacher:
+def load_live_teacher(index: int, section, model_config,
+                      tokenizer_fingerprint: str) -> LiveTeacher:
     """A frozen teacher from a training checkpoint, at this job's TP/PP layout; refused before
     the first step when its vocabulary or tokenizer is not the student's."""
     from megatron_iiet.eval.checkpoint import load_for_inference
@@ -251,8 +251,7 @@ def build_distillation(cfg, model_config, tokenizer, train_dataset):
     teachers = []
     for i, section in enumerate(d.teachers):
         if section.checkpoint is not None:
-            teachers.append(load_live_teacher(i, section, model_config, tokenizer.fingerprint,
-                                              cfg.parallel.engine))
+            teachers.append(load_live_teacher(i, section, model_config, tokenizer.fingerprint))
         else:
             teachers.append(OfflineTeacher.open(
                 section.logits, f"distill.teachers[{i}].logits", section.weight,

@@ -15,7 +15,6 @@ architecture's LR instead (no grid).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -362,7 +361,3 @@ def _duration(seconds: float) -> str:
     if seconds < 7200:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"
-
-
-def spec_dict(spec: SweepSpec) -> dict:
-    return dataclasses.asdict(spec)
