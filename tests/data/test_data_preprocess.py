@@ -78,10 +78,13 @@ def test_resume_after_sigkill_gives_identical_bytes(tmp_path, small_tokenizer, s
                "--merge", "--batch-documents", "32", "--no-progress"]
     process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
-    while not indexed_io.meta_path(shard_prefix(str(prefix), 3)).exists():
+    # Kill once shard 3 is done and a later shard is being written (its temporary file exists): between
+    # two shards there is a moment with no temporary file, and a kill there would test nothing.
+    while not (indexed_io.meta_path(shard_prefix(str(prefix), 3)).exists()
+               and list(prefix.parent.glob("*tmp-partial*"))):
         assert process.poll() is None, process.stderr.read().decode()
         assert time.monotonic() < deadline
-        time.sleep(0.02)
+        time.sleep(0.005)
     os.killpg(process.pid, signal.SIGKILL)  # the CLI and its worker, mid-shard
     process.wait()
     assert not indexed_io.meta_path(prefix).exists()
