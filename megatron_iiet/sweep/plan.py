@@ -274,12 +274,20 @@ def plan_sweep(sweep_path: str | Path, flops_per_second: Optional[float] = None)
                         lrs = [(spec.lr.values[arch], 1.0, False)]
                     elif size.name == grid_size:
                         lrs = [(lr, 1.0, True) for lr in spec.lr.grid[arch]]
+                        if len(seeds) > len(spec.seeds):  # noise seeds here run at the grid's best
+                            lrs.append((None, 1.0, False))
                     else:
                         factor = (grid_width / size.hidden_size
                                   if spec.lr.carry == "inverse_width" else 1.0)
                         lrs = [(None, factor, False)]
                     for lr, factor, grid in lrs:
-                        for seed in (seeds if not grid else spec.seeds):
+                        if grid:
+                            run_seeds = spec.seeds
+                        elif lr is None and size.name == grid_size:
+                            run_seeds = seeds[len(spec.seeds):]  # the grid ran the sweep's seeds
+                        else:
+                            run_seeds = seeds
+                        for seed in run_seeds:
                             runs.append(_run(spec, base, arch, size, shape, tokens, lr, factor,
                                              grid, seed, rate, vocab))
     names = [r.name for r in runs]

@@ -106,7 +106,7 @@ def test_the_cli_says_it_in_one_line_and_exits_2(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("name,runs", [("cpu_ladder", 48), ("paper_340m_1.3b", 45)])
+@pytest.mark.parametrize("name,runs", [("cpu_ladder", 48), ("paper_340m_1.3b", 63)])
 def test_the_example_sweeps_plan(name, runs):
     """The shipped ladders plan anywhere (no data, no GPU needed to plan)."""
     from megatron_iiet.sweep.plan import plan_sweep
@@ -114,6 +114,11 @@ def test_the_example_sweeps_plan(name, runs):
     plan = plan_sweep(REPO / "examples" / "sweeps" / f"{name}.yaml", flops_per_second=1e11)
     assert len(plan.runs) == runs
     archs = {r.architecture for r in plan.runs}
+    # Both ladders measure the noise at their LR-grid size: the extra seeds run at the grid's best.
+    noise = [r for r in plan.runs if r.seed in plan.spec.noise.seeds]
+    assert noise and {r.size for r in noise} == {plan.spec.noise.size}
+    assert all(r.phase == 2 and "lrbest" in r.name for r in noise)
+    assert len(noise) == len(archs) * len(plan.spec.noise.seeds) * len({r.tokens for r in noise})
     assert archs == {"vanilla", "pcformer_rk2", "iiet"}
     for size in {r.size for r in plan.runs}:  # equal tokens across architectures
         budgets = {a: sorted(r.tokens for r in plan.runs if r.size == size and r.architecture == a)
