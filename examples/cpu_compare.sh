@@ -67,10 +67,11 @@ from pathlib import Path
 from megatron_iiet.data.corpus import strip_gutenberg_boilerplate
 
 def write_jsonl(path, records):
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    if path.exists() and path.read_text(encoding="utf-8") == text:
+        return  # unchanged: keep its modification time, so datasets made from it stay current
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as out:
-        for r in records:
-            out.write(json.dumps(r) + "\n")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
 
 books_dir, valid_raw, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
