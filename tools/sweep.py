@@ -2,13 +2,15 @@
 
     python tools/sweep.py plan examples/sweeps/cpu_ladder.yaml --dry-run
     python tools/sweep.py launch examples/sweeps/cpu_ladder.yaml [--nproc 2] [--phase 1 --task I]
+    python tools/sweep.py submit examples/sweeps/paper_340m_1.3b.yaml [--max-parallel 8] [-- SBATCH ARGS]
     python tools/sweep.py collect examples/sweeps/cpu_ladder.yaml [--extra-valid NAME=PREFIX]
     python tools/sweep.py fit examples/sweeps/cpu_ladder.yaml [--valid NAME] [--bootstrap 200]
 
 plan: the concrete runs (parameters, FLOPs per token with every pass, tokens, total FLOPs,
 estimated time); errors in the sweep are one line before anything runs. launch: runs what is not
 finished, resuming unfinished runs, phase 1 (the LR grid) then phase 2 (the grid's best LR
-carried up); --task I runs the I-th run of --phase (a SLURM array task). collect: results.json /
+carried up); --task I runs the I-th run of --phase (a SLURM array task). submit: the same as
+SLURM array jobs of slurm/sweep.sbatch, phase 2 after phase 1 (afterok). collect: results.json /
 results.csv (and best_lr.json) in the sweep's output folder. fit: per architecture
 L(N, D) = E + A/N^alpha + B/D^beta with bootstrap intervals and the compute frontier; writes
 fit.md and PNG plots next to the results.
@@ -28,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    for name in ("plan", "launch", "collect", "fit"):
+    for name in ("plan", "launch", "submit", "collect", "fit"):
         s = sub.add_parser(name)
         s.add_argument("sweep", help="the sweep YAML")
         s.add_argument("--flops-per-second", type=float, default=None,
@@ -41,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--task", type=int, default=None,
                            help="only the TASK-th run of --phase (SLURM array index)")
             s.add_argument("--dry-run", action="store_true", help="print the commands")
+        if name == "submit":
+            s.add_argument("--max-parallel", type=int, default=None,
+                           help="array tasks running at once (sbatch --array=...%%K)")
+            s.add_argument("--dry-run", action="store_true", help="print the sbatch commands")
         if name == "collect":
             s.add_argument("--extra-valid", action="append", default=[], metavar="NAME=PREFIX",
                            help="also score each final checkpoint on this dataset (repeatable)")
@@ -65,7 +71,13 @@ def _rate(args) -> float:
 
 
 def main(argv=None) -> int:
-    return run_tool(run, build_parser().parse_args(argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    sbatch_args = argv[argv.index("--") + 1:] if "--" in argv else []  # submit's: for sbatch
+    args = build_parser().parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if sbatch_args and args.command != "submit":
+        raise SystemExit("error: arguments after -- are for `submit` (sbatch options)")
+    args.sbatch_args = sbatch_args
+    return run_tool(run, args)
 
 
 def run(args) -> int:
@@ -98,6 +110,15 @@ def run(args) -> int:
         except RuntimeError as err:
             print(f"error: {err}", file=sys.stderr)
             return 1
+        return 0
+    if args.command == "submit":
+        from megatron_iiet.sweep.runner import submit_slurm
+
+        try:
+            submit_slurm(plan, args.sweep, sbatch_args=args.sbatch_args,
+                         max_parallel=args.max_parallel, dry_run=args.dry_run)
+        except RuntimeError as err:
+            raise OperatorError(str(err)) from None
         return 0
     if args.command == "collect":
         from megatron_iiet.sweep.runner import ExtraValid, collect

@@ -19,6 +19,7 @@ import io
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -129,13 +130,67 @@ def launch(plan: SweepPlan, *, nproc: int = 1, phase: Optional[int] = None,
             run_dir(plan, run).mkdir(parents=True, exist_ok=True)
             log = run_dir(plan, run) / "launch.log"
             with open(log, "a") as out:
-                proc = subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                      env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                returncode, stopped_by = _run_forwarding_signals(cmd, out)
             started += 1
-            if proc.returncode != 0:
-                raise RuntimeError(f"{run.name}: pretrain_iiet.py exited {proc.returncode} "
+            if stopped_by:
+                raise Stopped(f"{run.name}: stopped by {stopped_by} (the run saved a checkpoint; "
+                              "launch again to resume it)")
+            if returncode != 0:
+                raise RuntimeError(f"{run.name}: pretrain_iiet.py exited {returncode} "
                                    f"(log: {log})")
     return started
+
+
+class Stopped(RuntimeError):
+    """A preemption signal reached the launcher: the current run saved and stopped."""
+
+
+def _run_forwarding_signals(cmd: list[str], out) -> tuple[int, Optional[str]]:
+    """Run one training run; SIGTERM/SIGUSR1 sent to the launcher (a SLURM time-limit warning or
+    preemption) go to the run, which saves and exits, and no further run starts."""
+    received: list[int] = []
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+    def forward(signum, _frame):
+        received.append(signum)
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        returncode = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return returncode, signal.Signals(received[0]).name if received else None
+
+
+def submit_slurm(plan: SweepPlan, sweep_path: str, *, sbatch_args: list[str] = (),
+                 max_parallel: Optional[int] = None, dry_run: bool = False,
+                 say: Callable[[str], None] = print) -> list[str]:
+    """Submit the sweep as SLURM array jobs of slurm/sweep.sbatch, one array per phase, phase 2
+    after phase 1 has succeeded (its LRs come from phase 1's results). Returns the job ids."""
+    sweep = str(Path(sweep_path).resolve())
+    jobs: list[str] = []
+    for phase in (1, 2):
+        count = sum(r.phase == phase for r in plan.runs)
+        if not count:
+            continue
+        array = f"0-{count - 1}" + (f"%{max_parallel}" if max_parallel else "")
+        cmd = ["sbatch", "--parsable", f"--array={array}", f"--job-name=sweep-{plan.spec.name}-p{phase}",
+               *(["--dependency=afterok:" + jobs[-1]] if jobs else []), *sbatch_args,
+               str(REPO / "slurm" / "sweep.sbatch"), sweep, "--phase", str(phase)]
+        if dry_run:
+            say(" ".join(cmd))
+            jobs.append(f"<phase {phase} job>")
+            continue
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"sbatch refused phase {phase}: {proc.stderr.strip()}")
+        jobs.append(proc.stdout.strip().split(";")[0])
+        say(f"phase {phase}: {count} runs, array job {jobs[-1]}")
+    return jobs
 
 
 # ---- collect ------------------------------------------------------------------------------
