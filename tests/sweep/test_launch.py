@@ -94,3 +94,22 @@ def test_launch_kill_relaunch_collect(tmp_path, tiny_data):
 
     third = _cli("launch", sweep)  # nothing left to do
     assert third.stdout.count("(finished)") == 3 and "start" not in third.stdout
+
+
+def test_usr1_to_the_launcher_stops_its_run_with_a_save_and_starts_no_other(tmp_path, tiny_data):
+    """What a SLURM array task's batch script forwards before the time limit (slurm/sweep.sbatch):
+    the launcher passes the signal to its run, which saves and stops, and starts no other run."""
+    sweep = _sweep(tmp_path, tiny_data)
+    runs = tmp_path / "out" / "runs"
+    first = runs / "vanilla_xs_8.192K_lr0.003_s1"
+    proc = _cli("launch", sweep, wait=False)
+    deadline = time.time() + 600
+    while not any(r.get("kind") == "train" for r in _records(first)):
+        assert time.time() < deadline and proc.poll() is None, proc.stdout.read()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)  # the launcher alone, as SLURM's batch script sees it
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1 and "stopped by SIGUSR1" in out, out[-3000:]
+    ends = [r for r in _records(first) if r.get("kind") == "end"]
+    assert len(ends) == 1 and ends[0]["preempted"] and not ends[0]["finished"], ends
+    assert [p.name for p in runs.iterdir()] == [first.name]  # no other run started
