@@ -95,6 +95,16 @@ def _command(plan: SweepPlan, run: RunPlan, lr: float, nproc: int) -> list[str]:
     return args
 
 
+def phase_runs(plan: SweepPlan, phase: int) -> list[RunPlan]:
+    """A phase's runs rung by rung: every architecture at a size and budget before the next one,
+    the extra noise seeds last, so a sweep stopped part-way still compares architectures."""
+    sizes = [s.name for s in plan.spec.sizes]
+    archs = list(plan.spec.architectures)
+    return sorted((r for r in plan.runs if r.phase == phase),
+                  key=lambda r: (r.seed not in plan.spec.seeds, sizes.index(r.size), r.tokens,
+                                 archs.index(r.architecture)))
+
+
 def launch(plan: SweepPlan, *, nproc: int = 1, phase: Optional[int] = None,
            task: Optional[int] = None, dry_run: bool = False,
            say: Callable[[str], None] = print) -> int:
@@ -103,7 +113,7 @@ def launch(plan: SweepPlan, *, nproc: int = 1, phase: Optional[int] = None,
     for current in (1, 2):
         if phase is not None and current != phase:
             continue
-        runs = [r for r in plan.runs if r.phase == current]
+        runs = phase_runs(plan, current)
         if task is not None:
             if not 0 <= task < len(runs):
                 raise ValueError(f"task {task}: phase {current} has {len(runs)} runs")
