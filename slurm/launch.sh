@@ -110,27 +110,31 @@ printf '#!/usr/bin/env bash\n# job %s, restart %s, %s\n%s\n' "$JOB_TAG" "${SLURM
 echo "$(date -Is) start restart=${SLURM_RESTART_COUNT:-0} nodes=$NODELIST tasks=$NTASKS" >> "$IIET_JOB_DIR/starts.log"
 cd "$REPO"
 
-if [ "$HEALTH" = 1 ] && [ "$SINGLE" = 0 ]; then
-  eval "$HEALTH_CMD" || { echo "error: launch.sh: health check failed; nothing started" >&2; exit 3; }
-fi
-
 signalled=""
 forward() {  # $1: the signal name; the processes finish their step, save and exit 0
   signalled=$1
   echo "launch: got SIG$1 at $(date -Is), forwarding it"
   [ -n "${child:-}" ] && kill "-$1" "$child" 2>/dev/null
 }
+# Trapped from here on: a signal during the health check is remembered, and nothing starts.
 trap 'forward USR1' USR1
 trap 'forward TERM' TERM
-eval "exec $MAIN_CMD" &  # exec: the signal reaches srun (or python) itself
-child=$!
-# `wait` returns early when a trapped signal arrives: wait until the child has really ended.
+
+if [ "$HEALTH" = 1 ] && [ "$SINGLE" = 0 ]; then
+  eval "$HEALTH_CMD" || { echo "error: launch.sh: health check failed; nothing started" >&2; exit 3; }
+fi
+
 status=0
-while :; do
-  wait "$child"; status=$?
-  kill -0 "$child" 2>/dev/null || break
-done
-echo "launch: $ENTRY exited with status $status"
+if [ -z "$signalled" ]; then
+  eval "exec $MAIN_CMD" &  # exec: the signal reaches srun (or python) itself
+  child=$!
+  # `wait` returns early when a trapped signal arrives: wait until the child has really ended.
+  while :; do
+    wait "$child"; status=$?
+    kill -0 "$child" 2>/dev/null || break
+  done
+  echo "launch: $ENTRY exited with status $status"
+fi
 if [ "$REQUEUE" = 1 ] && [ "$signalled" = USR1 ]; then
   if [ -n "$FINISHED" ] && (cd "$REPO" && eval "$FINISHED") >/dev/null 2>&1; then
     echo "launch: the work is finished; not requeueing"
