@@ -40,11 +40,19 @@ def _run(cmd, timeout=120, **kw):
 
 
 def sbatch(*args, wait=True, timeout=600, env=None):
-    """Submit; with wait, block until the job ends (sbatch --wait: its exit code is the job's)."""
-    proc = _run(["sbatch", "--parsable", *(["--wait"] if wait else []), *map(str, args)],
-                timeout=timeout, env=env or {})
+    """Submit; with wait, block until the job ends and set returncode to the job's exit code.
+    (Not `sbatch --wait`: it polls at up to 10 s intervals, which adds up over a dozen jobs.)"""
+    proc = _run(["sbatch", "--parsable", *map(str, args)], env=env or {})
     job = proc.stdout.strip().split(";")[0].splitlines()[0] if proc.stdout.strip() else ""
+    if wait and proc.returncode == 0:
+        wait_for_jobs(job, timeout=timeout)
+        proc.returncode = job_exit_code(job)
     return proc, job
+
+
+def job_exit_code(job: str) -> int:
+    code = job_field(job, "ExitCode") or "1:0"
+    return int(code.split(":")[0]) or (1 if job_field(job, "JobState") != "COMPLETED" else 0)
 
 
 def job_field(job: str, field: str):
@@ -57,7 +65,7 @@ def wait_for_jobs(*jobs: str, timeout: float = 600) -> None:
     deadline = time.time() + timeout
     while _run(["squeue", "-h", "-j", ",".join(jobs)]).stdout.strip():
         assert time.time() < deadline, _run(["squeue", "-j", ",".join(jobs)]).stdout
-        time.sleep(1)
+        time.sleep(0.3)
 
 
 def release_requeued(job: str, timeout: float = 300) -> None:
@@ -307,18 +315,17 @@ def test_sweep_array_jobs_complete_and_a_resubmission_skips_them(dataset, tmp_pa
 @pytest.mark.skipif(not (SHARED_DATA / "piqa").is_dir(), reason=f"no PIQA under {SHARED_DATA}")
 def test_conversion_and_evaluation_jobs_write_their_outputs(two_node_run, tmp_path):
     checkpoint = two_node_run["run"] / "checkpoints"
-    proc, _ = sbatch(*ONE_TASK, f"--output={tmp_path}/convert-%j.out", "slurm/convert.sbatch",
-                     "megatron-to-hf", checkpoint, tmp_path / "hf")
-    assert proc.returncode == 0, f"{proc.stderr}\n{log_of(tmp_path, 'convert-*.out')[-3000:]}"
+    # both at once: the conversion on one node, the native backend on both (data-parallel)
+    _, convert = sbatch(*ONE_TASK, f"--output={tmp_path}/convert-%j.out", "slurm/convert.sbatch",
+                        "megatron-to-hf", checkpoint, tmp_path / "hf", wait=False)
+    _, evaluate = sbatch(*ONE_PER_NODE, f"--output={tmp_path}/eval-%j.out", "slurm/evaluate.sbatch",
+                         "--checkpoint", checkpoint, "--tasks", "piqa", "--limit", "6",
+                         "--data-dir", SHARED_DATA, "--output", tmp_path / "eval", wait=False)
+    wait_for_jobs(convert, evaluate, timeout=600)
+    assert job_exit_code(convert) == 0, log_of(tmp_path, "convert-*.out")[-3000:]
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["num_hidden_layers"] == 4 and list((tmp_path / "hf").glob("*.safetensors"))
-
-    # the native backend on both nodes (data-parallel over the requests)
-    proc, _ = sbatch(*ONE_PER_NODE, f"--output={tmp_path}/eval-%j.out", "slurm/evaluate.sbatch",
-                     "--checkpoint", checkpoint, "--tasks", "piqa", "--limit", "6",
-                     "--data-dir", SHARED_DATA, "--output", tmp_path / "eval")
-    log = log_of(tmp_path, "eval-*.out")
-    assert proc.returncode == 0, f"{proc.stderr}\n{log[-3000:]}"
+    assert job_exit_code(evaluate) == 0, log_of(tmp_path, "eval-*.out")[-3000:]
     results = json.loads((tmp_path / "eval" / "results.json").read_text())
     assert 0.0 <= results["results"]["piqa"]["acc,none"] <= 1.0
     assert (tmp_path / "eval" / "results.md").is_file()
@@ -334,15 +341,17 @@ def test_a_missing_config_or_checkpoint_fails_fast_with_one_line(two_node_run, t
         "precompute": ["slurm/precompute.sbatch", "--config", two_node_run["config"],
                        "--checkpoint", tmp_path / "no_ckpt", "--output", tmp_path / "logits"],
     }
-    for name, args in cases.items():
-        started = time.time()
-        proc, job = sbatch(*ONE_TASK, f"--output={tmp_path}/{name}-%j.out", *args, timeout=120)
+    started = time.time()
+    jobs = {name: sbatch(*ONE_TASK, f"--output={tmp_path}/{name}-%j.out", *args, wait=False)[1]
+            for name, args in cases.items()}  # all at once: the nodes oversubscribe
+    wait_for_jobs(*jobs.values(), timeout=120)
+    assert time.time() - started < 60, time.time() - started
+    for name, job in jobs.items():
         log = log_of(tmp_path, f"{name}-*.out")
-        assert proc.returncode != 0, (name, log)
+        assert job_exit_code(job) != 0, (name, log)
         assert job_field(job, "JobState") == "FAILED", (name, log)
         errors = error_lines(log)
         assert len(errors) == 1 and ("nope.yaml" in errors[0] or "no_ckpt" in errors[0]), (name, log)
         assert "Traceback" not in log, (name, log)
-        assert time.time() - started < 60, (name, time.time() - started)
     # nothing half-written: no run folder, no export, no logits
     assert not any((tmp_path / p).exists() for p in ("run", "hf", "logits"))
