@@ -23,16 +23,11 @@ import time
 from pathlib import Path
 
 
-def _env_int(*names: str, default: int) -> int:
-    for name in names:
-        if os.environ.get(name, "").strip():
-            return int(os.environ[name])
-    return default
-
-
 def health(timeout_s: float) -> dict:
     import torch
     import torch.distributed as dist
+
+    from megatron_iiet.distributed import _env_int  # the trainer's reading of torchrun/srun variables
 
     rank = _env_int("RANK", "SLURM_PROCID", default=0)
     world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
