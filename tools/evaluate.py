@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-dir", default=None, help="folder with the task files")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (native backend)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (native backend)")
+    parser.add_argument("--runner", default="auto", choices=["auto", "megatron", "torch"],
+                        help="native backend: megatron-core's model at the job's layout, or the "
+                        "plain PyTorch model in one process (auto: torch for a one-process job "
+                        "at TP=PP=1; docs/evaluation.md)")
     parser.add_argument("--tokenizer", default=None, help="override the checkpoint's tokenizer")
     parser.add_argument("--max-length", type=int, default=None,
                         help="context length (default: the model's sequence length)")
@@ -64,7 +68,7 @@ def native_lm(args):
     return IIETMegatronLM(checkpoint=args.checkpoint, tokenizer=args.tokenizer,
                           batch_size=args.batch_size, max_length=args.max_length,
                           tensor_parallel=args.tp, pipeline_parallel=args.pp,
-                          progress=not args.no_progress)
+                          runner=args.runner, progress=not args.no_progress)
 
 
 def hf_lm(args):

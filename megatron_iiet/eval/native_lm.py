@@ -9,15 +9,23 @@ the others serve its requests (``ParallelScorer``), so lm-eval itself sees one p
 Tokenization, truncation and the empty-context prefix follow lm-eval's ``hf`` backend on the
 project's HF export of the same checkpoint: the tokenizer adds no BOS, the prefix token is BOS
 (EOS when there is none), inputs are cut from the left to the model's sequence length, and for
-generation the context to ``max_length - max_gen_toks``. Generation is greedy, recomputing the
-sequence per token (see ``scoring.py``).
+generation the context to ``max_length - max_gen_toks``. Generation is greedy.
+
+``runner``: how the model runs. ``megatron`` builds megatron-core's model at the job's layout
+(``scoring.py``: every rank serves; generation recomputes the sequence per token). ``torch``
+converts the checkpoint in memory to the project's plain PyTorch model and scores in this
+process (``local_scorer.py``: no megatron per-module overhead, generation with the per-(layer,
+pass) KV cache); it needs a one-process job. ``auto`` (the default) takes ``torch`` for a
+one-process job at TP=PP=1, else ``megatron``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
+import torch
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -32,12 +40,13 @@ _log = logging.getLogger(__name__)
 class IIETMegatronLM(TemplateLM):
     """``checkpoint``: an ``iter_*`` folder or a checkpoint root (its newest complete one).
     ``tensor_parallel`` / ``pipeline_parallel``: the layout to run at (any; the checkpoint is
-    resharded on load); the remaining ranks of the launch are data-parallel."""
+    resharded on load); the remaining ranks of the launch are data-parallel. ``runner``:
+    ``auto`` | ``megatron`` | ``torch`` (module docstring)."""
 
     def __init__(self, checkpoint: Optional[str] = None, tokenizer: Optional[str] = None,
                  batch_size: int | str = 8, max_length: Optional[int] = None,
                  max_gen_toks: int = 256, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                 progress: bool = True, scorer: Optional[ParallelScorer] = None,
+                 progress: bool = True, runner: str = "auto", scorer=None,
                  tokenizer_object=None, **_ignored):
         super().__init__()
         if scorer is None:
@@ -45,7 +54,7 @@ class IIETMegatronLM(TemplateLM):
                 raise OperatorError("the iiet backend needs checkpoint=PATH")
             scorer, tokenizer_object = _scorer_for_checkpoint(
                 checkpoint, tokenizer, _batch_size(batch_size), max_length,
-                int(tensor_parallel), int(pipeline_parallel), progress)
+                int(tensor_parallel), int(pipeline_parallel), progress, runner)
         self.scorer = scorer
         self.tokenizer = tokenizer_object
         self._max_gen_toks = int(max_gen_toks)
@@ -160,7 +169,31 @@ def _generation_settings(gen_kwargs: dict, default_max: int) -> tuple[list[str],
     return list(until or []), max_new
 
 
-def _scorer_for_checkpoint(checkpoint, tokenizer, batch_size, max_length, tp, pp, progress):
+RUNNERS = ("auto", "megatron", "torch")
+
+
+def _one_process_job() -> bool:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_world_size() == 1
+    return int(os.environ.get("WORLD_SIZE", "1")) == 1
+
+
+def choose_runner(runner: str, tp: int, pp: int) -> str:
+    if runner not in RUNNERS:
+        raise OperatorError(f"runner {runner!r}: choose one of {', '.join(RUNNERS)}")
+    one = _one_process_job() and tp == 1 and pp == 1
+    if runner == "torch" and not one:
+        raise OperatorError("runner=torch scores in one process at TP=PP=1; this job has "
+                            "several ranks or a TP/PP layout (use runner=megatron or auto)")
+    if runner == "auto":
+        return "torch" if one else "megatron"
+    return runner
+
+
+def _scorer_for_checkpoint(checkpoint, tokenizer, batch_size, max_length, tp, pp, progress,
+                           runner="auto"):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -169,6 +202,8 @@ def _scorer_for_checkpoint(checkpoint, tokenizer, batch_size, max_length, tp, pp
     from megatron_iiet.training.checkpoint_index import resolve_checkpoint
 
     resolve_checkpoint(checkpoint)  # a wrong path fails before any process group is made
+    if choose_runner(runner, tp, pp) == "torch":
+        return _local_scorer(checkpoint, tokenizer, batch_size, max_length, progress)
     if not (dist.is_initialized() and ps.model_parallel_is_initialized()):
         try:
             initialize(tp, pp)
@@ -183,3 +218,22 @@ def _scorer_for_checkpoint(checkpoint, tokenizer, batch_size, max_length, tp, pp
     scorer = ParallelScorer(loaded.model, batch_size, length, decode=loaded.tokenizer.decode,
                             progress=progress)
     return scorer, loaded.tokenizer
+
+
+def _local_scorer(checkpoint, tokenizer, batch_size, max_length, progress):
+    from megatron_iiet.eval.local_scorer import LocalScorer
+    from megatron_iiet.hf.megatron_to_hf import build_hf_model, resolve_tokenizer
+    from megatron_iiet.platform import compute_device
+    from megatron_iiet.training.checkpoint_index import read_meta, resolve_checkpoint
+
+    ckpt = resolve_checkpoint(checkpoint)
+    meta = read_meta(ckpt)
+    tok = resolve_tokenizer(meta, tokenizer, ckpt)
+    # The training precision, as the megatron runner's model has it.
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+        (meta["config"].get("parallel") or {}).get("precision"), torch.float32)
+    model, _, model_cfg = build_hf_model(ckpt, meta, tok, dtype)
+    length = int(max_length) if max_length else model_cfg.max_sequence_length
+    scorer = LocalScorer(model.to(compute_device()), batch_size, length, decode=tok.decode,
+                         progress=progress)
+    return scorer, tok

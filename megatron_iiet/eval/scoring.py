@@ -113,11 +113,9 @@ class ParallelScorer:
     # ------------------------------------------------------------------------------ every rank
     def _execute(self, op: str, payload, batch_size: int):
         items = payload if op == "score" else payload[0]
-        order = sorted(range(len(items)), key=lambda i: (-len(items[i][0] if op == "score"
-                                                              else items[i]), i))
-        batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-        mine = batches[self.dp_rank::self.dp]
-        bar = self._bar(len(items), op)
+        lengths = [len(item[0]) if op == "score" else len(item) for item in items]
+        mine = length_sorted_batches(lengths, batch_size)[self.dp_rank::self.dp]
+        bar = progress_bar(len(items), op) if self.rank == 0 and self.progress else None
         done: dict[int, object] = {}
         for indices in mine:
             if op == "score":
@@ -139,14 +137,6 @@ class ParallelScorer:
         for part in gathered:
             merged.update(part)
         return [merged[i] for i in range(len(items))]
-
-    def _bar(self, total: int, op: str):
-        if self.rank != 0 or not self.progress or total == 0:
-            return None
-        from tqdm import tqdm
-
-        return tqdm(total=total, desc=f"iiet {'loglikelihood' if op == 'score' else op}",
-                    unit="req", smoothing=0.1)
 
     def _forward(self, rows: list[list[int]], reduce):
         """Right-padded ``rows`` through the model; ``reduce(batch, logits)`` on the last stage."""
@@ -201,7 +191,7 @@ class ParallelScorer:
                 sequences[k].append(token)
                 new[k].append(token)
                 if not (token == eos or len(sequences[k]) >= self.max_length
-                        or self._stopped(new[k], stop)):
+                        or stopped(new[k], stop, self.decode)):
                     still.append(k)
             active = still
         return new
@@ -216,13 +206,32 @@ class ParallelScorer:
                        group=ps.get_pipeline_model_parallel_group())
         return buffer
 
-    def _stopped(self, generated: list[int], stop: list[str]) -> bool:
-        if not stop:
-            return False
-        if self.decode is None:
-            raise RuntimeError("generation with stop strings needs decode=")
-        text = self.decode(generated)
-        return any(s in text for s in stop)
+
+
+def length_sorted_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Request indices sorted longest first (ties by index), cut into batches of ``batch_size``:
+    the same cut on every rank, and little padding per batch."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def progress_bar(total: int, op: str):
+    if total == 0:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"iiet {'loglikelihood' if op == 'score' else op}",
+                unit="req", smoothing=0.1)
+
+
+def stopped(generated: list[int], stop: Sequence[str], decode) -> bool:
+    """Whether the decoded continuation holds one of the stop strings."""
+    if not stop:
+        return False
+    if decode is None:
+        raise RuntimeError("generation with stop strings needs decode=")
+    text = decode(generated)
+    return any(s in text for s in stop)
 
 
 def vocab_parallel_logprob(logits: torch.Tensor, targets: torch.Tensor):

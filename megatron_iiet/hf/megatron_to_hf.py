@@ -141,6 +141,28 @@ def _write_tokenizer(tokenizer, folder: Path) -> None:
             shutil.copy2(src / name, folder / name)
 
 
+def build_hf_model(ckpt: Path, meta: dict, tok, torch_dtype, trim_vocab: bool = False,
+                   allow_nonfinite: bool = False, progress: Progress = quiet):
+    """(HF model in eval mode, its config, the TP=1/PP=1 megatron model config) of the
+    checkpoint ``ckpt``, in memory: what ``export_to_hf`` writes, and what the evaluation's
+    one-process runner scores with."""
+    progress(f"reading {ckpt} (layout {meta.get('layout')}, engine {meta.get('engine')})")
+    model_cfg, meg = load_megatron_checkpoint(ckpt, meta)
+    refuse_nonfinite(meg, ckpt, allow_nonfinite, cast_to=torch_dtype)
+    progress(f"loaded {len(meg)} tensors into one TP=1/PP=1 {model_cfg.architecture} model")
+    hf = megatron_to_hf_tensors(meg, model_cfg)
+    del meg
+    vocab = model_cfg.vocab_size
+    if trim_vocab:
+        vocab = tok.vocab_size
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            if name in hf:
+                hf[name] = hf[name][:vocab].contiguous()
+    seq = meta["config"].get("data", {}).get("seq_length", 2048)
+    hf_config = hf_config_for(model_cfg, vocab, tok, seq)
+    return assemble_model(check_tensors(hf, hf_config), hf_config, torch_dtype), hf_config, model_cfg
+
+
 def export_to_hf(src, dst, dtype: str = "fp32", trim_vocab: bool = False,
                  max_shard_size: str = "2GB", force: bool = False,
                  expect_architecture: Optional[str] = None, tokenizer: Optional[str] = None,
@@ -159,22 +181,9 @@ def export_to_hf(src, dst, dtype: str = "fp32", trim_vocab: bool = False,
     tok = resolve_tokenizer(meta, tokenizer, ckpt) if with_tokenizer else None
     if trim_vocab and tok is None:
         raise ConversionError("--trim-vocab needs the tokenizer (its vocabulary size)")
-    progress(f"reading {ckpt} (layout {meta.get('layout')}, engine {meta.get('engine')})")
-    model_cfg, meg = load_megatron_checkpoint(ckpt, meta)
-    refuse_nonfinite(meg, ckpt, allow_nonfinite, cast_to=torch_dtype)
-    progress(f"loaded {len(meg)} tensors into one TP=1/PP=1 {model_cfg.architecture} model")
-    hf = megatron_to_hf_tensors(meg, model_cfg)
-    del meg
-    vocab = model_cfg.vocab_size
-    if trim_vocab:
-        vocab = tok.vocab_size
-        for name in ("model.embed_tokens.weight", "lm_head.weight"):
-            if name in hf:
-                hf[name] = hf[name][:vocab].contiguous()
-    seq = meta["config"].get("data", {}).get("seq_length", 2048)
-    hf_config = hf_config_for(model_cfg, vocab, tok, seq)
-    model = assemble_model(check_tensors(hf, hf_config), hf_config, torch_dtype)
-    del hf
+    model, hf_config, model_cfg = build_hf_model(ckpt, meta, tok, torch_dtype, trim_vocab,
+                                                 allow_nonfinite, progress)
+    vocab = hf_config.vocab_size
     parameters = sum(p.numel() for p in model.parameters())
     progress(f"writing {dst} ({parameters / 1e6:.1f}M parameters, {dtype})")
 

@@ -38,7 +38,7 @@ from .configuration_iiet import IIETConfig, scheme_key
 # torch >= 2.4; exported folders may be loaded with an older torch.
 _HAS_RMS_NORM = hasattr(F, "rms_norm")
 # transformers 5 renamed the output field `past_key_values` to `cache`.
-_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 @dataclass
@@ -655,7 +655,7 @@ class IIETModel(IIETPreTrainedModel):
         x = self.norm(x)
         if keep is not None:  # the last entry is after the final norm, as in LlamaModel
             all_hidden.append(x if len(all_hidden) in keep else None)
-        out = BaseModelOutputWithPast(last_hidden_state=x, **{_CACHE_FIELD: cache},
+        out = BaseModelOutputWithPast(last_hidden_state=x, **{CACHE_FIELD: cache},
                                       hidden_states=tuple(all_hidden) if keep is not None else None)
         return out if _return_dict(return_dict, self.config) else out.to_tuple()
 
@@ -702,7 +702,7 @@ class IIETForCausalLM(IIETPreTrainedModel, GenerationMixin):
             loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
                                    labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100)
         result = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states,
-                                        **{_CACHE_FIELD: getattr(out, _CACHE_FIELD)})
+                                        **{CACHE_FIELD: getattr(out, CACHE_FIELD)})
         # return_dict=False: transformers' tuple (to_tuple() drops the None fields: loss first
         # only when labels were given).
         return result if _return_dict(return_dict, self.config) else result.to_tuple()

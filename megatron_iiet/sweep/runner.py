@@ -82,6 +82,29 @@ def resolved_lr(plan: SweepPlan, run: RunPlan, best: Optional[dict[str, float]])
     return best[run.architecture] * run.lr_factor
 
 
+def saved_lr(plan: SweepPlan, run: RunPlan) -> Optional[float]:
+    """The LR a run's newest complete checkpoint was trained with (None without one)."""
+    from megatron_iiet.training.checkpoint_index import newest_complete, read_meta
+
+    root = run_dir(plan, run) / "checkpoints"
+    newest = newest_complete(root, warn=lambda _: None) if root.is_dir() else None
+    if newest is None:
+        return None
+    return read_meta(newest)["config"].get("optimizer", {}).get("lr")
+
+
+def check_same_lr(plan: SweepPlan, run: RunPlan, lr: float, status: str) -> None:
+    """Refuse to skip or resume a run trained at another LR than the plan now gives it (the LR
+    grid grew and its best moved): its results would be counted for the wrong LR."""
+    if status == "missing":
+        return
+    saved = saved_lr(plan, run)
+    if saved is not None and abs(saved - lr) > 1e-9 * max(abs(lr), 1e-12):
+        raise ValueError(f"{run.name}: trained with lr {saved:.4g} but the plan now gives "
+                         f"{lr:.4g} (the grid's best moved); move {run_dir(plan, run)} aside "
+                         "to run it again")
+
+
 def _command(plan: SweepPlan, run: RunPlan, lr: float, nproc: int) -> list[str]:
     sets = run_overrides(run, lr, plan.spec.lr.min_lr_ratio)
     if "checkpoint.save_interval" not in plan.spec.set:
@@ -128,6 +151,7 @@ def launch(plan: SweepPlan, *, nproc: int = 1, phase: Optional[int] = None,
                 say("best grid LR: " + ", ".join(f"{a} {v:.3g}" for a, v in best.items()))
         for run in runs:
             status = run_status(plan, run)
+            check_same_lr(plan, run, resolved_lr(plan, run, best), status)
             if status == "finished":
                 say(f"skip {run.name} (finished)")
                 continue
@@ -180,14 +204,20 @@ def submit_slurm(plan: SweepPlan, sweep_path: str, *, sbatch_args: list[str] = (
                  max_parallel: Optional[int] = None, dry_run: bool = False,
                  say: Callable[[str], None] = print) -> list[str]:
     """Submit the sweep as SLURM array jobs of slurm/sweep.sbatch, one array per phase, phase 2
-    after phase 1 has succeeded (its LRs come from phase 1's results). Returns the job ids."""
+    after phase 1 has succeeded (its LRs come from phase 1's results). Only unfinished runs get
+    an array task (their indices in ``phase_runs``); a phase with none is not submitted.
+    Returns the job ids."""
     sweep = str(Path(sweep_path).resolve())
     jobs: list[str] = []
     for phase in (1, 2):
-        count = sum(r.phase == phase for r in plan.runs)
-        if not count:
+        runs = phase_runs(plan, phase)
+        if not runs:
             continue
-        array = f"0-{count - 1}" + (f"%{max_parallel}" if max_parallel else "")
+        pending = [i for i, run in enumerate(runs) if run_status(plan, run) != "finished"]
+        if not pending:
+            say(f"phase {phase}: all {len(runs)} runs finished, nothing to submit")
+            continue
+        array = _index_ranges(pending) + (f"%{max_parallel}" if max_parallel else "")
         cmd = ["sbatch", "--parsable", f"--array={array}", f"--job-name=sweep-{plan.spec.name}-p{phase}",
                *(["--dependency=afterok:" + jobs[-1]] if jobs else []), *sbatch_args,
                str(REPO / "slurm" / "sweep.sbatch"), sweep, "--phase", str(phase)]
@@ -199,8 +229,22 @@ def submit_slurm(plan: SweepPlan, sweep_path: str, *, sbatch_args: list[str] = (
         if proc.returncode != 0:
             raise RuntimeError(f"sbatch refused phase {phase}: {proc.stderr.strip()}")
         jobs.append(proc.stdout.strip().split(";")[0])
-        say(f"phase {phase}: {count} runs, array job {jobs[-1]}")
+        done = len(runs) - len(pending)
+        say(f"phase {phase}: {len(pending)} runs, array job {jobs[-1]}"
+            + (f" ({done} finished, not submitted)" if done else ""))
     return jobs
+
+
+def _index_ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8" (sbatch --array syntax)."""
+    parts, start = [], None
+    for k, i in enumerate(indices):
+        if start is None:
+            start = i
+        if k + 1 == len(indices) or indices[k + 1] != i + 1:
+            parts.append(str(start) if start == i else f"{start}-{i}")
+            start = None
+    return ",".join(parts)
 
 
 # ---- collect ------------------------------------------------------------------------------

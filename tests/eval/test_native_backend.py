@@ -1,5 +1,6 @@
 """The native `iiet` lm-eval backend against lm-eval's own `hf` backend on the export of the same
-checkpoint, at TP=2, PP=2 and TP=1 with DP=2, at batch sizes 1 and 8."""
+checkpoint: megatron's model at TP=2, PP=2 and TP=1 with DP=2, and the one-process torch runner,
+at batch sizes 1 and 8."""
 
 import math
 
@@ -63,6 +64,38 @@ def test_native_matches_hf_at_every_layout_and_batch_size(native, exported):
     values = [lp for lp, _ in hf[1]["loglikelihood"]]
     assert all(math.isfinite(v) and v < 0 for v in values) and len(set(values)) == len(values)
     assert all(isinstance(t, str) for t in hf[1]["generate"])
+
+
+def test_one_process_torch_runner_matches_hf(trained, exported):
+    from megatron_iiet.eval.local_scorer import LocalScorer
+    from megatron_iiet.eval.native_lm import IIETMegatronLM
+
+    lm = IIETMegatronLM(checkpoint=str(trained[1]), progress=False)  # runner auto: torch here
+    assert isinstance(lm.scorer, LocalScorer)
+    results = workers.run_all(lm)
+    hf = _hf_results(exported)
+    _assert_same(results[8], results[1], BATCH_TOL, "torch runner batch 8 vs 1")
+    _assert_same(results[1], hf[1], LOGPROB_TOL, "torch runner vs hf")
+    # Choices of one context run on one pass over it; alone, each request runs whole.
+    from megatron_iiet.eval.local_scorer import _worth_sharing
+
+    ll = workers.requests()[0]
+    question = [lm._encode_pair(*r.args) for r in ll if r.args[0].startswith("Question")]
+    assert len({tuple(context) for context, _ in question}) == 1
+    assert _worth_sharing(list(range(len(question))), [(c + k, len(k)) for c, k in question])
+    alone = [lm.loglikelihood([r])[0] for r in ll]
+    for (lp, greedy), (lp_ref, greedy_ref) in zip(results[8]["loglikelihood"], alone, strict=True):
+        assert _close(lp, lp_ref, BATCH_TOL) and greedy == greedy_ref, (lp, lp_ref)
+
+
+def test_torch_runner_refuses_a_layout(trained):
+    from megatron_iiet.errors import OperatorError
+    from megatron_iiet.eval.native_lm import IIETMegatronLM
+
+    with pytest.raises(OperatorError, match="runner=torch scores in one process"):
+        IIETMegatronLM(checkpoint=str(trained[1]), tensor_parallel=2, runner="torch")
+    with pytest.raises(OperatorError, match="runner 'jax'"):
+        IIETMegatronLM(checkpoint=str(trained[1]), runner="jax")
 
 
 @pytest.mark.distributed

@@ -12,10 +12,14 @@ LONG = "\n".join(CODE) * 4  # longer than the model's 64 tokens: truncated / sev
 
 def requests():
     """(loglikelihood, loglikelihood_rolling, generate_until) Instances covering an empty
-    context, one- and many-token continuations, left truncation, several rolling windows."""
+    context, one- and many-token continuations, left truncation, several rolling windows,
+    several continuations of one context."""
     ll = [("", "import os"), (LONG, "\n    return None"), ("def f(", "x):"),
           ("class A", "(object):\n    pass"), ("y = ", "2"), ("for i in ", "range(10):")]
     ll += [(t[: len(t) // 2], t[len(t) // 2:]) for t in CODE]
+    # choices of one question: the torch runner scores them on one pass over the context
+    ll += [("Question: which?\nAnswer:", ending) for ending in (" yes", " no", " both of them\n")]
+    ll += [("def f(", "self, y):"), (LONG, "\n    return x")]
     rolling = CODE[:3] + [LONG]
     gen = [("def main(", {"until": ["\n\n"], "max_gen_toks": 12}),
            ("import ", {"until": ["\n"], "max_gen_toks": 8}),

@@ -74,6 +74,10 @@ def test_launch_kill_relaunch_collect(tmp_path, tiny_data):
     proc.wait()
     assert any(r.get("kind") == "end" and r.get("finished") for r in _records(first))
     assert not any(r.get("kind") == "end" for r in _records(second))  # killed mid-way
+    # A SLURM submission now allocates array tasks to the unfinished runs only.
+    submit = _cli("submit", sweep, "--dry-run")
+    assert submit.returncode == 0, submit.stderr[-3000:]
+    assert "--array=1 " in submit.stdout and "--array=0 " in submit.stdout, submit.stdout
 
     again = _cli("launch", sweep)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
@@ -94,6 +98,23 @@ def test_launch_kill_relaunch_collect(tmp_path, tiny_data):
 
     third = _cli("launch", sweep)  # nothing left to do
     assert third.stdout.count("(finished)") == 3 and "start" not in third.stdout
+    assert _cli("submit", sweep, "--dry-run").stdout.count("nothing to submit") == 2
+
+    # The carried LR changes under a finished run (here the carry rule; a grown grid whose
+    # best moved does the same): it is refused in one line, not skipped as if still right.
+    tree = yaml.safe_load(sweep.read_text())
+    tree["lr"]["carry"] = "constant"
+    sweep.write_text(yaml.safe_dump(tree))
+    stale = _cli("launch", sweep)
+    assert stale.returncode == 2, stale.stdout[-2000:] + stale.stderr[-2000:]
+    assert "trained with lr 0.0015 but the plan now gives 0.003" in stale.stderr, stale.stderr
+
+
+def test_submit_array_indices_are_compact_ranges():
+    from megatron_iiet.sweep.runner import _index_ranges
+
+    assert _index_ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert _index_ranges([3]) == "3"
 
 
 def test_usr1_to_the_launcher_stops_its_run_with_a_save_and_starts_no_other(tmp_path, tiny_data):
