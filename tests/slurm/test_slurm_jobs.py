@@ -161,7 +161,25 @@ def preempt_once(job: str, started, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_node_run(dataset, tmp_path_factory):
+def local_started(dataset, tmp_path_factory):
+    """The same config as the 2-node job, uninterrupted, under a local `torchrun
+    --nproc-per-node 2`: started before the job is submitted, so it runs while SLURM schedules,
+    requeues and releases (most of that job's time is waiting)."""
+    folder = tmp_path_factory.mktemp("local")
+    config = tiny_config(dataset, folder)
+    with open(folder / "torchrun.log", "w") as log:  # a file: a pipe could fill and stall it
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                 "--nproc-per-node=2", "pretrain_iiet.py", "--config", str(config)],
+                                cwd=REPO, env={**os.environ, **ENV}, stdout=log,
+                                stderr=subprocess.STDOUT)
+    yield proc, folder
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def two_node_run(dataset, tmp_path_factory, local_started):
     """A 2-node pretraining job (one rank per node), stopped once by the time-limit warning after
     its second step, requeued and resumed to the end."""
     folder = tmp_path_factory.mktemp("two_node")
@@ -176,13 +194,10 @@ def two_node_run(dataset, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def local_run(dataset, tmp_path_factory):
-    """The same config, uninterrupted, under a local `torchrun --nproc-per-node 2`."""
-    folder = tmp_path_factory.mktemp("local")
-    config = tiny_config(dataset, folder)
-    proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                 "pretrain_iiet.py", "--config", str(config)], timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def local_run(local_started):
+    proc, folder = local_started
+    proc.wait(timeout=600)
+    assert proc.returncode == 0, (folder / "torchrun.log").read_text()[-3000:]
     return folder / "run"
 
 
