@@ -9,8 +9,8 @@ megatron forward) and scores with it:
 
 * loglikelihood: requests whose contexts are the same tokens (the choices of a multiple-choice
   question: HellaSwag's 4 endings, ARC's answers) share one pass over the context when that
-  saves enough tokens (`_worth_sharing`): the contexts run once,
-  batched, and each continuation runs on a copy of its context's per-(layer, pass) KV cache.
+  saves enough tokens (`_worth_sharing`): the contexts run once, batched, and each
+  continuation runs on a copy of its context's per-(layer, pass) KV cache.
   The other requests (PIQA's two long solutions to a short question, say, where the second
   forward costs more than it saves) run in the same length-sorted, right-padded batches as
   `ParallelScorer`. The LM head and the softmax run only at the scored positions.
@@ -53,9 +53,12 @@ class LocalScorer:
         by_context: dict[tuple, list[int]] = {}
         for i, (tokens, n) in enumerate(requests):
             by_context.setdefault(tuple(tokens[:len(tokens) - n]), []).append(i)
-        shared = [group for group in by_context.values() if _worth_sharing(group, requests)]
-        alone = [i for group in by_context.values() if not _worth_sharing(group, requests)
-                 for i in group]
+        shared, alone = [], []
+        for group in by_context.values():
+            if _worth_sharing(group, requests):
+                shared.append(group)
+            else:
+                alone.extend(group)
         results: list = [None] * len(requests)
         bar = progress_bar(len(requests), "score") if self.progress else None
         with torch.inference_mode():
