@@ -22,10 +22,8 @@ one-process job at TP=PP=1, else ``megatron``.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
-import torch
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -175,9 +173,11 @@ RUNNERS = ("auto", "megatron", "torch")
 def _one_process_job() -> bool:
     import torch.distributed as dist
 
+    from megatron_iiet.distributed import _env_int  # the trainer's reading of torchrun/srun
+
     if dist.is_initialized():
         return dist.get_world_size() == 1
-    return int(os.environ.get("WORLD_SIZE", "1")) == 1
+    return _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1) == 1
 
 
 def choose_runner(runner: str, tp: int, pp: int) -> str:
@@ -229,10 +229,8 @@ def _local_scorer(checkpoint, tokenizer, batch_size, max_length, progress):
     ckpt = resolve_checkpoint(checkpoint)
     meta = read_meta(ckpt)
     tok = resolve_tokenizer(meta, tokenizer, ckpt)
-    # The training precision, as the megatron runner's model has it.
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
-        (meta["config"].get("parallel") or {}).get("precision"), torch.float32)
-    model, _, model_cfg = build_hf_model(ckpt, meta, tok, dtype)
+    # dtype None: the loaded tensors' own, i.e. the training precision, as the megatron runner's
+    model, _, model_cfg = build_hf_model(ckpt, meta, tok, torch_dtype=None)
     length = int(max_length) if max_length else model_cfg.max_sequence_length
     scorer = LocalScorer(model.to(compute_device()), batch_size, length, decode=tok.decode,
                          progress=progress)

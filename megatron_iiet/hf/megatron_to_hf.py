@@ -145,7 +145,7 @@ def build_hf_model(ckpt: Path, meta: dict, tok, torch_dtype, trim_vocab: bool = 
                    allow_nonfinite: bool = False, progress: Progress = quiet):
     """(HF model in eval mode, its config, the TP=1/PP=1 megatron model config) of the
     checkpoint ``ckpt``, in memory: what ``export_to_hf`` writes, and what the evaluation's
-    one-process runner scores with."""
+    one-process runner scores with. ``torch_dtype`` None keeps the checkpoint's own dtype."""
     progress(f"reading {ckpt} (layout {meta.get('layout')}, engine {meta.get('engine')})")
     model_cfg, meg = load_megatron_checkpoint(ckpt, meta)
     refuse_nonfinite(meg, ckpt, allow_nonfinite, cast_to=torch_dtype)
