@@ -1,7 +1,7 @@
 """Scaling-law sweeps: plan, launch, collect, fit (docs/scaling.md).
 
     python tools/sweep.py plan examples/sweeps/cpu_ladder.yaml --dry-run
-    python tools/sweep.py launch examples/sweeps/cpu_ladder.yaml [--nproc 2] [--phase 1 --task I]
+    python tools/sweep.py launch examples/sweeps/cpu_ladder.yaml [--jobs 2] [--nproc 2] [--phase 1 --task I]
     python tools/sweep.py submit examples/sweeps/paper_340m_1.3b.yaml [--max-parallel 8] [-- SBATCH ARGS]
     python tools/sweep.py collect examples/sweeps/cpu_ladder.yaml [--extra-valid NAME=PREFIX]
     python tools/sweep.py fit examples/sweeps/cpu_ladder.yaml [--valid NAME] [--bootstrap 200]
@@ -9,11 +9,11 @@
 plan: the concrete runs (parameters, FLOPs per token with every pass, tokens, total FLOPs,
 estimated time); errors in the sweep are one line before anything runs. launch: runs what is not
 finished, resuming unfinished runs, phase 1 (the LR grid) then phase 2 (the grid's best LR
-carried up); --task I runs the I-th run of --phase (a SLURM array task). submit: the same as
-SLURM array jobs of slurm/sweep.sbatch, phase 2 after phase 1 (afterok). collect: results.json /
-results.csv (and best_lr.json) in the sweep's output folder. fit: per architecture
-L(N, D) = E + A/N^alpha + B/D^beta with bootstrap intervals and the compute frontier; writes
-fit.md and PNG plots next to the results.
+carried up), --jobs K runs at once; --task I runs the I-th run of --phase (a SLURM array
+task). submit: the same as SLURM array jobs of slurm/sweep.sbatch, phase 2 after phase 1
+(afterok). collect: results.json / results.csv (and best_lr.json) in the sweep's output
+folder. fit: per architecture L(N, D) = E + A/N^alpha + B/D^beta with bootstrap intervals and
+the compute frontier; writes fit.md and PNG plots next to the results.
 """
 
 import argparse
@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--dry-run", action="store_true", help="print the table only")
         if name == "launch":
             s.add_argument("--nproc", type=int, default=1, help="processes per run (torchrun)")
+            s.add_argument("--jobs", type=int, default=1,
+                           help="runs at once on this machine, each with cores/(jobs*nproc) "
+                                "threads (small models use cores better side by side)")
             s.add_argument("--phase", type=int, choices=(1, 2), default=None)
             s.add_argument("--task", type=int, default=None,
                            help="only the TASK-th run of --phase (SLURM array index)")
@@ -103,7 +106,9 @@ def run(args) -> int:
         from megatron_iiet.sweep.runner import launch
 
         try:
-            launch(plan, nproc=args.nproc, phase=args.phase, task=args.task,
+            if args.jobs < 1:
+                raise ValueError(f"--jobs {args.jobs}: at least 1")
+            launch(plan, nproc=args.nproc, phase=args.phase, task=args.task, jobs=args.jobs,
                    dry_run=args.dry_run)
         except ValueError as err:
             raise OperatorError(str(err)) from None

@@ -1,7 +1,8 @@
 """Running a planned sweep and collecting its results.
 
-``launch`` runs the plan's runs one after another with pretrain_iiet.py (torchrun when
-``nproc`` > 1), phase 1 first (known LRs: the grid), then phase 2 with the grid's best LR per
+``launch`` runs the plan's runs with pretrain_iiet.py (torchrun when ``nproc`` > 1), one after
+another or ``jobs`` at a time (the cores shared out between them), phase 1 first (known LRs: the
+grid), then phase 2 with the grid's best LR per
 architecture carried by the plan's rule. It is idempotent: a run whose metrics say it finished is
 skipped, an unfinished one is started again and resumes from its newest checkpoint (every run
 saves every quarter of its schedule unless the sweep says otherwise). ``task`` picks one run of
@@ -22,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -129,9 +131,9 @@ def phase_runs(plan: SweepPlan, phase: int) -> list[RunPlan]:
 
 
 def launch(plan: SweepPlan, *, nproc: int = 1, phase: Optional[int] = None,
-           task: Optional[int] = None, dry_run: bool = False,
+           task: Optional[int] = None, jobs: int = 1, dry_run: bool = False,
            say: Callable[[str], None] = print) -> int:
-    """Run what is not finished; returns how many runs it started."""
+    """Run what is not finished, `jobs` runs at a time; returns how many runs it started."""
     started = 0
     for current in (1, 2):
         if phase is not None and current != phase:
@@ -149,55 +151,89 @@ def launch(plan: SweepPlan, *, nproc: int = 1, phase: Optional[int] = None,
                 best = best_lrs(plan)
                 _write_json(Path(plan.spec.output) / "lr_choice.json", best)
                 say("best grid LR: " + ", ".join(f"{a} {v:.3g}" for a, v in best.items()))
+        todo: list[tuple[RunPlan, str, list[str]]] = []
         for run in runs:
             status = run_status(plan, run)
-            check_same_lr(plan, run, resolved_lr(plan, run, best), status)
+            lr = resolved_lr(plan, run, best)
+            check_same_lr(plan, run, lr, status)
             if status == "finished":
                 say(f"skip {run.name} (finished)")
                 continue
-            cmd = _command(plan, run, resolved_lr(plan, run, best), nproc)
+            cmd = _command(plan, run, lr, nproc)
             if dry_run:
                 say(" ".join(cmd))
                 continue
-            say(f"{'resume' if status == 'partial' else 'start'} {run.name} "
-                f"({run.train_steps} steps, lr {resolved_lr(plan, run, best):.3g})")
-            run_dir(plan, run).mkdir(parents=True, exist_ok=True)
-            log = run_dir(plan, run) / "launch.log"
-            with open(log, "a") as out:
-                returncode, stopped_by = _run_forwarding_signals(cmd, out)
-            started += 1
-            if stopped_by:
-                raise Stopped(f"{run.name}: stopped by {stopped_by} (the run saved a checkpoint; "
-                              "launch again to resume it)")
-            if returncode != 0:
-                raise RuntimeError(f"{run.name}: pretrain_iiet.py exited {returncode} "
-                                   f"(log: {log})")
+            todo.append((run, f"{'resume' if status == 'partial' else 'start'} {run.name} "
+                              f"({run.train_steps} steps, lr {lr:.3g})", cmd))
+        started += _run_all(plan, todo, jobs, _threads_per_run(jobs, nproc), say)
+    return started
+
+
+def _threads_per_run(jobs: int, nproc: int) -> Optional[int]:
+    """The cores shared out between the runs at once (None: one run, torch's own default)."""
+    if jobs <= 1 or "OMP_NUM_THREADS" in os.environ:
+        return None
+    return max(1, (os.cpu_count() or 1) // (jobs * nproc))
+
+
+def _run_all(plan: SweepPlan, todo, jobs: int, threads: Optional[int],
+             say: Callable[[str], None]) -> int:
+    """Start the runs in order, at most `jobs` at once. A failed or preempted run lets the others
+    that are running finish (or save) and starts no new one; then the first problem is raised."""
+    running: dict[subprocess.Popen, tuple[RunPlan, Path]] = {}
+    problems: list[Exception] = []
+    received: list[int] = []
+    started = 0
+
+    def forward(signum, _frame):
+        received.append(signum)
+        for proc in running:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    def reap(proc: subprocess.Popen) -> None:
+        run, log = running.pop(proc)
+        if received:
+            problems.append(Stopped(f"{run.name}: stopped by {signal.Signals(received[0]).name} "
+                                    "(the run saved a checkpoint; launch again to resume it)"))
+        elif proc.returncode != 0:
+            problems.append(RuntimeError(f"{run.name}: pretrain_iiet.py exited "
+                                         f"{proc.returncode} (log: {log})"))
+
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        pending = list(todo)
+        while pending or running:
+            while pending and len(running) < max(1, jobs) and not problems and not received:
+                run, message, cmd = pending.pop(0)
+                say(message)
+                run_dir(plan, run).mkdir(parents=True, exist_ok=True)
+                log = run_dir(plan, run) / "launch.log"
+                with open(log, "a") as out:
+                    proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                            env=env)
+                running[proc] = (run, log)
+                started += 1
+            if problems or received:
+                pending.clear()
+            ended = [proc for proc in running if proc.poll() is not None]
+            for proc in ended:
+                reap(proc)
+            if running and not ended:
+                time.sleep(0.2)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if problems:
+        raise problems[0]
     return started
 
 
 class Stopped(RuntimeError):
-    """A preemption signal reached the launcher: the current run saved and stopped."""
-
-
-def _run_forwarding_signals(cmd: list[str], out) -> tuple[int, Optional[str]]:
-    """Run one training run; SIGTERM/SIGUSR1 sent to the launcher (a SLURM time-limit warning or
-    preemption) go to the run, which saves and exits, and no further run starts."""
-    received: list[int] = []
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
-
-    def forward(signum, _frame):
-        received.append(signum)
-        if proc.poll() is None:
-            proc.send_signal(signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        returncode = proc.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return returncode, signal.Signals(received[0]).name if received else None
+    """A preemption signal reached the launcher: the running runs saved and stopped."""
 
 
 def submit_slurm(plan: SweepPlan, sweep_path: str, *, sbatch_args: list[str] = (),

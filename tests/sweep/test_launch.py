@@ -134,3 +134,23 @@ def test_usr1_to_the_launcher_stops_its_run_with_a_save_and_starts_no_other(tmp_
     ends = [r for r in _records(first) if r.get("kind") == "end"]
     assert len(ends) == 1 and ends[0]["preempted"] and not ends[0]["finished"], ends
     assert [p.name for p in runs.iterdir()] == [first.name]  # no other run started
+
+
+def test_jobs_run_side_by_side_and_finish_every_run(tmp_path, tiny_data):
+    """`launch --jobs 2`: the grid's two runs train at the same time (their step records
+    interleave in time), then the carried run; all three finish and collect."""
+    sweep = _sweep(tmp_path, tiny_data)
+    done = _cli("launch", sweep, "--jobs", "2")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    runs = tmp_path / "out" / "runs"
+    grid = [runs / "vanilla_xs_8.192K_lr0.003_s1", runs / "vanilla_xs_8.192K_lr0.0001_s1"]
+    spans = []
+    for run in grid:
+        times = [r["time"] for r in _records(run) if r.get("kind") == "train"]
+        assert any(r.get("kind") == "end" and r.get("finished") for r in _records(run))
+        spans.append((min(times), max(times)))
+    assert spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1], spans  # overlapping
+    assert "best grid LR: vanilla 0.003" in done.stdout
+    assert _cli("launch", sweep, "--jobs", "2").stdout.count("(finished)") == 3
+    bad = _cli("launch", sweep, "--jobs", "0")
+    assert bad.returncode == 2 and "--jobs 0" in bad.stderr, bad.stderr
