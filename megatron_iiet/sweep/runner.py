@@ -1,12 +1,11 @@
 """Running a planned sweep and collecting its results.
 
 ``launch`` runs the plan's runs with pretrain_iiet.py (torchrun when ``nproc`` > 1), one after
-another or ``jobs`` at a time (the cores shared out between them), phase 1 first (known LRs: the
-grid), then phase 2 with the grid's best LR per
-architecture carried by the plan's rule. It is idempotent: a run whose metrics say it finished is
-skipped, an unfinished one is started again and resumes from its newest checkpoint (every run
-saves every quarter of its schedule unless the sweep says otherwise). ``task`` picks one run of
-a phase (a SLURM array task).
+another or ``jobs`` at a time (the cores shared out between them), phase 1 first (known LRs:
+the grid), then phase 2 with the grid's best LR per architecture carried by the plan's rule. It
+is idempotent: a run whose metrics say it finished is skipped, an unfinished one is started
+again and resumes from its newest checkpoint (every run saves every quarter of its schedule
+unless the sweep says otherwise). ``task`` picks one run of a phase (a SLURM array task).
 
 ``collect`` reads every run's metrics.jsonl: status, final training and validation loss, the
 validation curve, and optionally the loss of the final checkpoint on extra validation sets;
