@@ -3,12 +3,14 @@
 # the 300K-token budget, LR 1e-3: the first grid's best), each a one-run sweep derived from
 # examples/sweeps/cpu_ladder.yaml, so every other setting is the ladder's (docs/scaling.md).
 #
-#   usage: bash examples/sweeps/iiet_ablation.sh [--dry-run] [OUT]   # OUT: outputs/sweeps/iiet_ablation
+#   usage: bash examples/sweeps/iiet_ablation.sh [--dry-run] [OUT [VARIANT...]]
+#   OUT: outputs/sweeps/iiet_ablation; VARIANT...: some of the variants below (default: all)
 #
 #   r1, r2        max_iterations 1 or 2 instead of 3 (does iterating help at all here?)
 #   fixed_point   the paper's fixed-point form (spec 5a) instead of the released history form
 #   warmup20      20% warm-up instead of 5% (the plateau)
 #   lr2e-3_s{1,2} the grid's next LR with two more seeds (is 1e-3 vs 2e-3 within the noise?)
+#   history_current  W, Wc initialised one-hot on the layer's own state instead of uniform
 # Then collect them all: the table is printed (and written to OUT/ablation.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -16,6 +18,8 @@ PY=${PYTHON:-.venv/bin/python}
 DRY=0
 [ "${1:-}" = "--dry-run" ] && { DRY=1; shift; }
 OUT=${1:-outputs/sweeps/iiet_ablation}
+shift || true
+VARIANTS=${*:-r3 r1 r2 fixed_point warmup20 lr2e-3 history_current}
 mkdir -p "$OUT"
 export PYTHONWARNINGS=ignore
 "$PY" - "$OUT" <<'PYEOF'
@@ -33,6 +37,7 @@ variants = {
     "fixed_point": ({"model.formulation": "fixed_point"}, 1e-3, [1234]),
     "warmup20": ({}, 1e-3, [1234]),
     "lr2e-3": ({}, 2e-3, [1, 2]),
+    "history_current": ({"model.history_init": "current"}, 1e-3, [1234]),
 }
 for name, (sets, lr, seeds) in variants.items():
     tree = dict(base)
@@ -51,20 +56,22 @@ for name, (sets, lr, seeds) in variants.items():
     (out / f"{name}.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
 PYEOF
 if [ "$DRY" = 1 ]; then  # the variants' plans only
-  for v in r3 r1 r2 fixed_point warmup20 lr2e-3; do "$PY" tools/sweep.py plan "$OUT/$v.yaml" --dry-run | tail -n +3 | head -n -2; done
+  for v in $VARIANTS; do "$PY" tools/sweep.py plan "$OUT/$v.yaml" --dry-run | tail -n +3 | head -n -2; done
   exit 0
 fi
-for sweep in "$OUT"/r3.yaml "$OUT"/r1.yaml "$OUT"/r2.yaml "$OUT"/fixed_point.yaml "$OUT"/warmup20.yaml "$OUT"/lr2e-3.yaml; do
-  "$PY" tools/sweep.py launch "$sweep"
-  "$PY" tools/sweep.py collect "$sweep" --extra-valid wikitext=outputs/cpu_compare/data/wikitext2_valid >/dev/null
+for v in $VARIANTS; do
+  "$PY" tools/sweep.py launch "$OUT/$v.yaml"
+  "$PY" tools/sweep.py collect "$OUT/$v.yaml" --extra-valid wikitext=outputs/cpu_compare/data/wikitext2_valid >/dev/null
 done
 "$PY" - "$OUT" <<'PYEOF'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
+done = [v for v in ("r3", "r1", "r2", "fixed_point", "warmup20", "lr2e-3", "history_current")
+        if (out / v / "results.json").exists()]
 lines = ["| variant | seed | params | FLOPs/token | valid loss (held-out book) | WikiText-2 valid loss |",
          "|---|---|---|---|---|---|"]
-for name in ("r3", "r1", "r2", "fixed_point", "warmup20", "lr2e-3"):
+for name in done:
     for r in json.loads((out / name / "results.json").read_text()):
         lines.append(f"| {name} | {r['seed']} | {r['params'] / 1e6:.3f}M | {r['flops_per_token']:.3g} | "
                      f"{r['valid_loss']:.4f} | {r.get('valid_loss_wikitext', float('nan')):.4f} |")

@@ -15,6 +15,7 @@ from megatron_iiet.model.architectures import (architecture_names, formulation_n
 from megatron_iiet.platform import gpu_only_refusal, model_config_defaults
 
 ITERATION_CHECKPOINTING = ("none", "all_passes", "all_but_last_pass")
+HISTORY_INITS = ("uniform", "current")
 
 
 def _init_normal(std: float):
@@ -49,6 +50,11 @@ class IIETTransformerConfig(TransformerConfig):
 
     history_norm_eps: float = 1e-5
     """eps of the history LayerNorms (Np, Nc) and PCformer's stage norms."""
+
+    history_init: str = "uniform"
+    """Initial rows of the history weights W, Wc (PCformer and IIET's history form): "uniform"
+    (the spec and the release: row l averages S_0..S_l) or "current" (one-hot on S_l, so each
+    layer starts by reading only its own state; an ablation, not the paper's)."""
 
     vocab_size: int = 32000
     max_sequence_length: int = 2048
@@ -132,6 +138,11 @@ class IIETTransformerConfig(TransformerConfig):
                     f"({self.max_iterations}); got {bad}"
                 )
             self.iterations = its
+        if self.history_init not in HISTORY_INITS:
+            raise ValueError(
+                f"history_init: unknown {self.history_init!r}; choose one of "
+                f"{', '.join(HISTORY_INITS)}"
+            )
         if self.iteration_checkpointing not in ITERATION_CHECKPOINTING:
             raise ValueError(
                 f"iteration_checkpointing: unknown {self.iteration_checkpointing!r}; choose one "

@@ -41,9 +41,13 @@ class LayerHistoryParams(nn.Module):
         super().__init__()
         self.layer_number = layer_number
         dtype, eps = config.params_dtype, config.history_norm_eps
-        uniform = torch.full((layer_number + 1,), 1.0 / (layer_number + 1), dtype=dtype)
-        self.pop_weight = nn.Parameter(uniform.clone())
-        self.refine_weight = nn.Parameter(uniform.clone())
+        if config.history_init == "current":
+            row = torch.zeros((layer_number + 1,), dtype=dtype)
+            row[-1] = 1.0
+        else:
+            row = torch.full((layer_number + 1,), 1.0 / (layer_number + 1), dtype=dtype)
+        self.pop_weight = nn.Parameter(row.clone())
+        self.refine_weight = nn.Parameter(row.clone())
         self.predictor_norm = nn.LayerNorm(config.hidden_size, eps=eps, dtype=dtype)
         self.corrector_norm = nn.LayerNorm(config.hidden_size, eps=eps, dtype=dtype)
 

@@ -43,6 +43,7 @@ class ModelSection:
     hidden_dropout: Optional[float] = None
     attention_dropout: Optional[float] = None
     init_method_std: Optional[float] = None
+    history_init: Optional[str] = None
 
 
 @dataclass

@@ -22,6 +22,7 @@ from tests.workers import preset_parameter_counts
          "iteration_checkpointing"),
         (dict(iteration_checkpointing="all_passes", recompute_granularity="full",
               recompute_method="uniform", recompute_num_layers=1), "iteration_checkpointing"),
+        (dict(history_init="random"), "history_init"),
         (dict(no_such_field=1), "no_such_field"),
     ],
 )
@@ -72,3 +73,13 @@ def test_preset_parameter_counts_match_spec_table():
             assert abs(got - expected) <= 0.01 * expected, (name, arch, got, expected)
     assert 54e6 < counts[("55m", "iiet")] < 56e6
     assert 336e6 < counts[("340m", "iiet")] < 344e6
+
+
+@pytest.mark.parametrize("init", ["uniform", "current"])
+def test_history_init_sets_the_rows_of_w_and_wc(init):
+    from megatron_iiet.model.history import LayerHistoryParams
+
+    layer = LayerHistoryParams(preset("tiny", history_init=init), layer_number=3)
+    expected = [0.25] * 4 if init == "uniform" else [0.0, 0.0, 0.0, 1.0]
+    for row in (layer.pop_weight, layer.refine_weight):
+        assert row.requires_grad and row.tolist() == pytest.approx(expected)
