@@ -146,7 +146,7 @@ def _fit(plan, args) -> int:
     import json
 
     from megatron_iiet.data.atomic import write_bytes_atomic
-    from megatron_iiet.sweep import fit
+    from megatron_iiet.sweep import compare, fit
 
     out = Path(plan.spec.output)
     results_file = out / "results.json"
@@ -157,16 +157,25 @@ def _fit(plan, args) -> int:
             if r["status"] == "finished" and r.get(key) is not None]
     if not rows:
         raise OperatorError(f"{results_file}: no finished run has {key}")
+    comparison = compare.equal_tokens_table(rows, _loss_columns(rows))
+    rows = compare.best_lr_rows(rows)
     sweep_fit = fit.fit_sweep(rows, n_boot=args.bootstrap)
     suffix = f"_{args.valid}" if args.valid else ""
     fit.plot_loss_vs_flops(rows, sweep_fit, out / f"loss_vs_flops{suffix}.png")
     fit.plot_loss_vs_tokens(rows, out / f"loss_vs_tokens{suffix}.png")
     fit.plot_residuals(rows, sweep_fit, out / f"residuals{suffix}.png")
-    text = fit.report_markdown(rows, sweep_fit)
+    text = ("## Loss at equal tokens (each cell at its best LR)\n\n" + comparison + "\n"
+            + fit.report_markdown(rows, sweep_fit))
     write_bytes_atomic(out / f"fit{suffix}.md", text.encode())
     print(text)
     print(f"wrote {out}/fit{suffix}.md and the PNG plots")
     return 0
+
+
+def _loss_columns(rows) -> dict[str, str]:
+    """Column title -> result key: the in-domain validation loss, then each extra set."""
+    extra = sorted({k for r in rows for k in r if k.startswith("valid_loss_")})
+    return {"valid": "valid_loss", **{k[len("valid_loss_"):]: k for k in extra}}
 
 
 if __name__ == "__main__":  # the guard matters: dist_checkpointing's reader re-imports __main__
