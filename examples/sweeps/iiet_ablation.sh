@@ -11,6 +11,8 @@
 #   warmup20      20% warm-up instead of 5% (the plateau)
 #   lr2e-3_s{1,2} the grid's next LR with two more seeds (is 1e-3 vs 2e-3 within the noise?)
 #   history_current  W, Wc initialised one-hot on the layer's own state instead of uniform
+#   {r3,r0,fixed_point}_lr8e-3  vanilla's best LR: the history form with r=3, with no iteration
+#                 (predictor only: the history alone), and the iterations without the history
 # Then collect them all: the table is printed (and written to OUT/ablation.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -19,7 +21,8 @@ DRY=0
 [ "${1:-}" = "--dry-run" ] && { DRY=1; shift; }
 OUT=${1:-outputs/sweeps/iiet_ablation}
 shift || true
-VARIANTS=${*:-r3 r1 r2 fixed_point warmup20 lr2e-3 history_current}
+ALL="r3 r1 r2 fixed_point warmup20 lr2e-3 history_current r3_lr8e-3 r0_lr8e-3 fixed_point_lr8e-3"
+VARIANTS=${*:-$ALL}
 mkdir -p "$OUT"
 export PYTHONWARNINGS=ignore
 "$PY" - "$OUT" <<'PYEOF'
@@ -38,6 +41,9 @@ variants = {
     "warmup20": ({}, 1e-3, [1234]),
     "lr2e-3": ({}, 2e-3, [1, 2]),
     "history_current": ({"model.history_init": "current"}, 1e-3, [1234]),
+    "r3_lr8e-3": ({}, 8e-3, [1234]),
+    "r0_lr8e-3": ({"model.max_iterations": 0}, 8e-3, [1234]),
+    "fixed_point_lr8e-3": ({"model.formulation": "fixed_point"}, 8e-3, [1234]),
 }
 for name, (sets, lr, seeds) in variants.items():
     tree = dict(base)
@@ -63,12 +69,11 @@ for v in $VARIANTS; do
   "$PY" tools/sweep.py launch "$OUT/$v.yaml"
   "$PY" tools/sweep.py collect "$OUT/$v.yaml" --extra-valid wikitext=outputs/cpu_compare/data/wikitext2_valid >/dev/null
 done
-"$PY" - "$OUT" <<'PYEOF'
+"$PY" - "$OUT" $ALL <<'PYEOF'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-done = [v for v in ("r3", "r1", "r2", "fixed_point", "warmup20", "lr2e-3", "history_current")
-        if (out / v / "results.json").exists()]
+done = [v for v in sys.argv[2:] if (out / v / "results.json").exists()]
 lines = ["| variant | seed | params | FLOPs/token | valid loss (held-out book) | WikiText-2 valid loss |",
          "|---|---|---|---|---|---|"]
 for name in done:
