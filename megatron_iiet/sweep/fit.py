@@ -412,20 +412,36 @@ def report_budgets(rows: Rows, *, most: int = 5) -> list[float]:
     return [10.0 ** p for p in picks]
 
 
+def optimum_outside_runs(result: ArchitectureFit, rows: Rows, C: float) -> bool:
+    """Whether the law's compute-optimal N or D at budget C lies outside the N and D this
+    architecture's runs covered: there the frontier is the law's shape extrapolated (a law with
+    alpha ~ 0, loss flat in N, puts every budget into tokens at a vanishing N), not a measurement."""
+    if not _has_frontier(result.fit):
+        return False
+    mine = [r for r in rows if str(r["architecture"]) == result.architecture]
+    point = frontier(result.fit, result.k, [C])[0]
+    n_run, d_run = [float(r["params"]) for r in mine], [float(r["tokens"]) for r in mine]
+    return not (min(n_run) <= point.params <= max(n_run) and min(d_run) <= point.tokens <= max(d_run))
+
+
 def _frontier_table(rows: Rows, sweep_fit: SweepFit, budgets: Sequence[float], pct: str) -> list[str]:
     fitted, largest = sweep_fit.fitted(), max(float(r["flops"]) for r in rows)
     lines = ["## Fitted compute frontier L(C)", "",
              f"Loss at the compute-optimal N and D of each budget, with {pct} bootstrap intervals; budgets "
-             "marked * lie beyond the largest run (extrapolation). 'lowest' is marked (overlap) when its "
-             "interval overlaps another architecture's: the ladder cannot tell them apart there.", "",
+             "marked * lie beyond the largest run (extrapolation). A loss marked † has its optimal N or D "
+             "outside the sizes and tokens that architecture ran: the law's shape extrapolated, not a "
+             "measurement, and never called 'lowest'. 'lowest' is marked (overlap) when its interval "
+             "overlaps another architecture's: the ladder cannot tell them apart there.", "",
              "| C (FLOPs) | " + " | ".join(a.architecture for a in fitted) + " | lowest |",
              "|---" * (len(fitted) + 2) + "|"]
     for C in budgets:
         values = {a.architecture: a.frontier_loss(C, sweep_fit.level) for a in fitted}
-        known = {name: v for name, v in values.items() if v is not None}
+        outside = {a.architecture: optimum_outside_runs(a, rows, C) for a in fitted}
+        known = {name: v for name, v in values.items() if v is not None and not outside[name]}
         lowest = min(known, key=lambda name: known[name][0]) if known else None
         overlap = lowest is not None and any(v[1] <= known[lowest][2] for n, v in known.items() if n != lowest)
-        cells = ["n/a" if v is None else _with_interval(v[0], v[1:]) for v in values.values()]
+        cells = ["n/a" if v is None else _with_interval(v[0], v[1:]) + (" †" if outside[name] else "")
+                 for name, v in values.items()]
         lines.append(f"| {C:.3g}{'*' if C > largest else ''} | {' | '.join(cells)} | "
                      f"{lowest or 'n/a'}{' (overlap)' if overlap else ''} |")
     return lines

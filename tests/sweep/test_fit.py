@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from scipy.optimize import minimize_scalar
 
-from megatron_iiet.sweep.fit import (LawFit, bootstrap_intervals, fit_law, fit_sweep, frontier,
+from megatron_iiet.sweep.fit import (ArchitectureFit, LawFit, SweepFit, bootstrap_intervals,
+                                     fit_law, fit_sweep, frontier, optimum_outside_runs,
                                      plot_loss_vs_flops, plot_loss_vs_tokens, plot_residuals,
                                      report_markdown)
 
@@ -130,3 +131,23 @@ def test_a_run_without_loss_is_a_one_line_error():
     rows = [{"architecture": "vanilla", "params": 1e6, "tokens": 1e8, "flops": 6e14}]
     with pytest.raises(ValueError, match="run 0: lacks loss"):
         fit_sweep(rows, n_boot=0)
+
+
+def test_a_frontier_optimum_outside_the_runs_is_marked_and_never_lowest():
+    """The law's optimum at a budget far beyond the ladder needs an N no run had: the report
+    marks that loss and does not name a winner from it (a flat-in-N law does this at any C)."""
+    N, D, L = synthetic_ladder(noise=0.0)  # N 1e5..1e8, D 1e6..1e10
+    rows = [{"architecture": "a", "params": n, "tokens": d, "flops": 6 * n * d, "loss": loss}
+            for n, d, loss in zip(N, D, L)]
+    result = ArchitectureFit("a", len(rows), TRUE_LAW, {}, 6.0, (), ())
+    inside = next(C for C in np.geomspace(1e12, 1e20, 33)
+                  if 1e5 <= frontier(TRUE_LAW, 6.0, [C])[0].params <= 1e8
+                  and 1e6 <= frontier(TRUE_LAW, 6.0, [C])[0].tokens <= 1e10)
+    beyond = 1e30
+    assert not optimum_outside_runs(result, rows, inside)
+    assert optimum_outside_runs(result, rows, beyond)
+    report = report_markdown(rows, SweepFit({"a": result}, 0.9), budgets=[inside, beyond])
+    line_in = next(line for line in report.splitlines() if line.startswith(f"| {inside:.3g} |"))
+    line_out = next(line for line in report.splitlines() if line.startswith(f"| {beyond:.3g}* |"))
+    assert "†" not in line_in and line_in.endswith("| a |")
+    assert "†" in line_out and line_out.endswith("| n/a |")
