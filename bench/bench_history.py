@@ -100,6 +100,7 @@ class Run:
 class Config:
     def __init__(self, hidden, dtype):
         self.hidden_size, self.params_dtype, self.history_norm_eps = hidden, dtype, 1e-5
+        self.history_init = "uniform"
 
 
 class Layer(torch.nn.Module):

@@ -208,4 +208,6 @@ def test_store_keeps_the_graph_of_earlier_steps_when_grad_flows():
     cached_grad = model.model.history.weight.grad.clone()
     model.zero_grad()
     model(tokens, use_cache=False).logits.square().sum().backward()
-    assert (cached_grad - model.model.history.weight.grad).abs().max().item() < 1e-4
+    full_grad = model.model.history.weight.grad
+    # relative to the gradient's scale (~1e2 here): fp32 rounding over different op orders
+    assert (cached_grad - full_grad).abs().max().item() < 1e-5 * full_grad.abs().max().item()
