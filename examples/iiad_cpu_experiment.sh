@@ -7,6 +7,8 @@
 # the script resumes.
 #
 #   usage: bash examples/iiad_cpu_experiment.sh            (OUT=outputs/iiad_cpu by default)
+#          PLANS="6" SEEDS="4321 4322 4323" bash examples/iiad_cpu_experiment.sh
+#            (one plan, each student pair at three data-order seeds: the noise of distilled - plain)
 #
 # Data: `bash examples/cpu_compare.sh --prepare-only` (21 Gutenberg books for training, the 22nd
 # held out: in-domain validation and the influence's calibration data).
@@ -19,6 +21,8 @@ TR="$PY -m torch.distributed.run --standalone --nproc-per-node 2"
 E=${OUT:-outputs/iiad_cpu}
 DATA=outputs/cpu_compare/data
 STEPS=${STEPS:-100}          # the students' (and the continued IIET's) training steps
+PLANS=${PLANS:-6 8 10}       # pass targets of the E-IIET plans (of 16 passes)
+SEEDS=${SEEDS:-4321}         # data-order seeds of each student pair; the first is the plain name
 [ -f $DATA/gutenberg_heldout.bin ] || bash examples/cpu_compare.sh --prepare-only
 mkdir -p $E
 
@@ -51,25 +55,33 @@ student() { # run-name config [--set ...]
   $TR pretrain_iiet.py --config $config $STUDENT "$@" > $E/$name.log 2>&1 \
     && touch $E/$name/done || { echo "$name failed: $E/$name.log"; exit 1; }
 }
-for P in 6 8 10; do
+for P in $PLANS; do
   [ -f $E/plan$P.yaml ] || $PY tools/iiad_plan.py --influence $E/influence --target-passes $P \
     --output $E/plan$P.yaml --run-dir $E/distil_p$P --train-steps $STEPS > $E/plan$P.log
   [ -f $E/plain$P.yaml ] || $PY tools/iiad_plan.py --influence $E/influence --target-passes $P \
     --output $E/plain$P.yaml --run-dir $E/plain_p$P --train-steps $STEPS --no-distill >> $E/plan$P.log
-  student distil_p$P $E/plan$P.yaml
-  student plain_p$P $E/plain$P.yaml
+  for S in $SEEDS; do
+    suffix=$([ "$S" = "${SEEDS%% *}" ] || echo _s$S)
+    student distil_p$P$suffix $E/plan$P.yaml --set seed=$S --set logging.dir=$E/distil_p$P$suffix
+    student plain_p$P$suffix $E/plain$P.yaml --set seed=$S --set logging.dir=$E/plain_p$P$suffix
+  done
 done
-student distil2_p6 $E/plan6.yaml --set logging.dir=$E/distil2_p6 --set \
+FIRST=${PLANS%% *}
+student distil2_p$FIRST $E/plan$FIRST.yaml --set logging.dir=$E/distil2_p$FIRST --set \
   "distill.teachers=[{checkpoint: $E/iiet/checkpoints, weight: 0.7}, {checkpoint: $E/vanilla/checkpoints, weight: 0.3}]"
 train iiet_cont --set checkpoint.init_from=$E/iiet/checkpoints --set schedule.train_steps=$STEPS \
   $STUDENT
 # 4. HF exports, decode speed (exact cache), local lm-eval tasks
-MODELS="vanilla iiet iiet_cont distil_p10 plain_p10 distil_p8 plain_p8 distil_p6 plain_p6 distil2_p6"
+MODELS="vanilla iiet iiet_cont distil2_p$FIRST"
+EXPORTS="vanilla=$E/hf/vanilla iiet=$E/hf/iiet"
+for P in $PLANS; do
+  MODELS="$MODELS distil_p$P plain_p$P"
+  EXPORTS="$EXPORTS e-iiet-p$P=$E/hf/distil_p$P"
+done
 for M in $MODELS; do
   [ -d $E/hf/$M ] || $PY tools/convert_checkpoint.py megatron-to-hf $E/$M/checkpoints $E/hf/$M --quiet
 done
-[ -s $E/decode.md ] || $PY bench/bench_decode_exports.py vanilla=$E/hf/vanilla iiet=$E/hf/iiet \
-  e-iiet-p10=$E/hf/distil_p10 e-iiet-p8=$E/hf/distil_p8 e-iiet-p6=$E/hf/distil_p6 \
+[ -s $E/decode.md ] || $PY bench/bench_decode_exports.py $EXPORTS \
   --prompt 128 --new 64 --rounds 5 --reference iiet > $E/decode.md
 for M in $MODELS; do
   [ -f $E/eval/$M/results.json ] || $PY tools/evaluate.py --checkpoint $E/$M/checkpoints \
@@ -77,6 +89,7 @@ for M in $MODELS; do
     --limit 300 --output $E/eval/$M --label $M --no-progress > $E/eval_$M.log 2>&1
 done
 $PY tools/compare_runs.py $E/vanilla $E/iiet --plot $E/pretraining.png
-$PY tools/compare_runs.py $E/iiet_cont $E/distil_p6 $E/plain_p6 $E/distil2_p6 $E/distil_p8 \
-  $E/plain_p8 $E/distil_p10 $E/plain_p10 --plot $E/students.png
+STUDENTS="$E/iiet_cont $E/distil2_p$FIRST"
+for P in $PLANS; do STUDENTS="$STUDENTS $E/distil_p$P $E/plain_p$P"; done
+$PY tools/compare_runs.py $STUDENTS --plot $E/students.png
 echo "done: $E"

@@ -1,0 +1,117 @@
+"""What per-pass activation checkpointing costs in step time, the modes interleaved in one process.
+
+    .venv/bin/python bench/bench_checkpointing.py [--layers 24 --micro-batch 4 --rounds 3]
+
+``bench_model.py`` runs every (architecture, mode) in a fresh process, one after another: right
+for peak memory, but its time ratios mix in whatever the machine did between the processes and
+each process's own allocator warm-up. Here every architecture is built once in one process and
+the steps go round all (architecture, mode) cells in turn, so load and allocator state hit every
+cell alike; each ratio is the median over the rounds of the per-round ratio (the first
+architecture's plain step, and the cell's own plain step of the same round). Recomputation must not change the result: the
+gradients of every mode are compared with the plain step's (printed; bit-identical on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_iiet.distributed import spawn_local  # noqa: E402
+from megatron_iiet.model.config import ITERATION_CHECKPOINTING  # noqa: E402
+
+ARCHITECTURES = {"vanilla": dict(architecture="vanilla"), "iiet r=3": dict(architecture="iiet"),
+                 "pcformer_rk2": dict(architecture="pcformer_rk2")}
+
+
+def measure(architectures: list[str], shape: dict, modes: list[str], rounds: int) -> dict:
+    from megatron_iiet.distributed import seed_everything
+    from megatron_iiet.model.config import IIETTransformerConfig
+    from megatron_iiet.model.gpt import IIETGPTModel
+    from megatron_iiet.training.step import forward_backward
+
+    seq, mb = shape.pop("seq"), shape.pop("micro_batch")
+    models = {}
+    for label in architectures:
+        cfg = IIETTransformerConfig(**shape, **ARCHITECTURES[label], max_sequence_length=seq)
+        seed_everything(0)
+        models[label] = (cfg, IIETGPTModel(cfg))
+    tokens = torch.randint(0, shape["vocab_size"], (mb, seq + 1),
+                           generator=torch.Generator().manual_seed(0))
+    batch = [{"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(mb, seq)}]
+
+    def step(label: str, mode: str) -> tuple[float, torch.Tensor]:
+        cfg, model = models[label]
+        cfg.iteration_checkpointing = mode  # every layer reads it from the shared config
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        forward_backward(model, batch)
+        seconds = time.perf_counter() - t0
+        return seconds, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    reference = {}
+    for label in architectures:  # warm-up, and the reference gradients
+        for mode in modes:
+            _, grads = step(label, mode)
+            reference.setdefault(label, grads)  # modes[0] is "none"
+    cells = [(label, mode) for label in architectures for mode in modes]
+    times = {cell: [] for cell in cells}
+    grad_error = {cell: 0.0 for cell in cells}
+    for _ in range(rounds):
+        for cell in cells:
+            seconds, grads = step(*cell)
+            ref = reference[cell[0]]
+            grad_error[cell] = max(grad_error[cell], ((grads - ref).abs().max() / ref.abs().max()).item())
+            times[cell].append(seconds)
+    base = architectures[0]
+    return [
+        dict(label=label, mode=mode, step_s=statistics.median(times[(label, mode)]),
+             x_plain=statistics.median(t / p for t, p in zip(times[(label, mode)], times[(label, "none")])),
+             x_base=statistics.median(t / p for t, p in zip(times[(label, mode)], times[(base, "none")])),
+             grad_error=grad_error[(label, mode)])
+        for label, mode in cells
+    ]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=704)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--architectures", nargs="+", default=["vanilla", "iiet r=3"],
+                   choices=sorted(ARCHITECTURES))
+    p.add_argument("--modes", nargs="+", default=list(ITERATION_CHECKPOINTING),
+                   choices=ITERATION_CHECKPOINTING)
+    args = p.parse_args(argv)
+    modes = ["none"] + [m for m in args.modes if m != "none"]
+    shape = dict(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                 ffn_hidden_size=args.ffn, vocab_size=args.vocab, seq=args.seq,
+                 micro_batch=args.micro_batch)
+    print(f"shape: {shape}, fp32, {args.threads} thread(s), one process, every (architecture, "
+          f"mode) in turn, median of {args.rounds} rounds after a warm-up\n")
+    print(f"| architecture | iteration ckpt | step s | x {args.architectures[0]} plain | "
+          f"x own plain step | grad max rel. diff |")
+    print("|---|---|---|---|---|---|")
+    rows = spawn_local(measure, 1, threads_per_rank=args.threads, timeout_s=3600,
+                       architectures=args.architectures, shape=shape, modes=modes,
+                       rounds=args.rounds)[0]
+    for r in rows:
+        print(f"| {r['label']} | {r['mode']} | {r['step_s']:.3f} | {r['x_base']:.2f} | "
+              f"{r['x_plain']:.3f} | {r['grad_error']:.1e} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
