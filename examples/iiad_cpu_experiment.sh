@@ -23,7 +23,8 @@ DATA=outputs/cpu_compare/data
 STEPS=${STEPS:-100}          # the students' (and the continued IIET's) training steps
 PLANS=${PLANS:-6 8 10}       # pass targets of the E-IIET plans (of 16 passes)
 SEEDS=${SEEDS:-4321}         # data-order seeds of each student pair; the first is the plain name
-[ -f $DATA/gutenberg_heldout.bin ] || bash examples/cpu_compare.sh --prepare-only
+# (OUT is this script's own output directory, not cpu_compare's: prepare the data where DATA says)
+[ -f $DATA/gutenberg_heldout.bin ] || OUT=outputs/cpu_compare bash examples/cpu_compare.sh --prepare-only
 mkdir -p $E
 
 BASE="--config examples/cpu_compare_iiet.yaml --set data.train=$DATA/gutenberg_train
