@@ -1,14 +1,20 @@
-"""What per-pass activation checkpointing costs in step time, the modes interleaved in one process.
+"""What per-pass activation checkpointing (and ``model.compile``) costs in step time, the modes
+interleaved in one process.
 
     .venv/bin/python bench/bench_checkpointing.py [--layers 24 --micro-batch 4 --rounds 3]
+    .venv/bin/python bench/bench_checkpointing.py --compile --modes none   # eager vs compiled
 
 ``bench_model.py`` runs every (architecture, mode) in a fresh process, one after another: right
 for peak memory, but its time ratios mix in whatever the machine did between the processes and
 each process's own allocator warm-up. Here every architecture is built once in one process and
 the steps go round all (architecture, mode) cells in turn, so load and allocator state hit every
 cell alike; each ratio is the median over the rounds of the per-round ratio (the first
-architecture's plain step, and the cell's own plain step of the same round). Recomputation must not change the result: the
-gradients of every mode are compared with the plain step's (printed; bit-identical on CPU).
+architecture's plain step, and the cell's own plain step of the same round). Recomputation must
+not change the result: the gradients of every mode are compared with the plain step's (printed;
+bit-identical on CPU).
+``--compile`` adds every mode again with each pass under torch.compile; the compile happens in
+the warm-up step, whose time is printed apart (compiled gradients differ from eager ones by
+fp32 rounding: inductor fuses and reorders).
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ ARCHITECTURES = {"vanilla": dict(architecture="vanilla"), "iiet r=3": dict(archi
                  "pcformer_rk2": dict(architecture="pcformer_rk2")}
 
 
-def measure(architectures: list[str], shape: dict, modes: list[str], rounds: int) -> dict:
+def measure(architectures: list[str], shape: dict, modes: list[tuple[str, bool]],
+            rounds: int) -> dict:
     from megatron_iiet.distributed import seed_everything
     from megatron_iiet.model.config import IIETTransformerConfig
     from megatron_iiet.model.gpt import IIETGPTModel
@@ -46,20 +53,21 @@ def measure(architectures: list[str], shape: dict, modes: list[str], rounds: int
                            generator=torch.Generator().manual_seed(0))
     batch = [{"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(mb, seq)}]
 
-    def step(label: str, mode: str) -> tuple[float, torch.Tensor]:
+    def step(label: str, mode: tuple[str, bool]) -> tuple[float, torch.Tensor]:
         cfg, model = models[label]
-        cfg.iteration_checkpointing = mode  # every layer reads it from the shared config
+        # every layer reads these from the shared config at each forward
+        cfg.iteration_checkpointing, cfg.compile = mode
         model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         forward_backward(model, batch)
         seconds = time.perf_counter() - t0
         return seconds, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
-    reference = {}
-    for label in architectures:  # warm-up, and the reference gradients
+    reference, warm_up_s = {}, {}
+    for label in architectures:  # warm-up (and compile), and the reference gradients
         for mode in modes:
-            _, grads = step(label, mode)
-            reference.setdefault(label, grads)  # modes[0] is "none"
+            warm_up_s[(label, mode)], grads = step(label, mode)
+            reference.setdefault(label, grads)  # modes[0] is ("none", eager)
     cells = [(label, mode) for label in architectures for mode in modes]
     times = {cell: [] for cell in cells}
     grad_error = {cell: 0.0 for cell in cells}
@@ -72,9 +80,11 @@ def measure(architectures: list[str], shape: dict, modes: list[str], rounds: int
     base = architectures[0]
     return [
         dict(label=label, mode=mode, step_s=statistics.median(times[(label, mode)]),
-             x_plain=statistics.median(t / p for t, p in zip(times[(label, mode)], times[(label, "none")])),
-             x_base=statistics.median(t / p for t, p in zip(times[(label, mode)], times[(base, "none")])),
-             grad_error=grad_error[(label, mode)])
+             x_plain=statistics.median(t / p for t, p in zip(times[(label, mode)],
+                                                             times[(label, modes[0])])),
+             x_base=statistics.median(t / p for t, p in zip(times[(label, mode)],
+                                                            times[(base, modes[0])])),
+             grad_error=grad_error[(label, mode)], warm_up_s=warm_up_s[(label, mode)])
         for label, mode in cells
     ]
 
@@ -94,22 +104,27 @@ def main(argv=None) -> int:
                    choices=sorted(ARCHITECTURES))
     p.add_argument("--modes", nargs="+", default=list(ITERATION_CHECKPOINTING),
                    choices=ITERATION_CHECKPOINTING)
+    p.add_argument("--compile", action="store_true",
+                   help="also run every mode with model.compile (torch.compile of each pass)")
     args = p.parse_args(argv)
-    modes = ["none"] + [m for m in args.modes if m != "none"]
+    names = ["none"] + [m for m in args.modes if m != "none"]
+    modes = [(m, False) for m in names] + ([(m, True) for m in names] if args.compile else [])
     shape = dict(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                  ffn_hidden_size=args.ffn, vocab_size=args.vocab, seq=args.seq,
                  micro_batch=args.micro_batch)
     print(f"shape: {shape}, fp32, {args.threads} thread(s), one process, every (architecture, "
           f"mode) in turn, median of {args.rounds} rounds after a warm-up\n")
-    print(f"| architecture | iteration ckpt | step s | x {args.architectures[0]} plain | "
-          f"x own plain step | grad max rel. diff |")
-    print("|---|---|---|---|---|---|")
+    print(f"| architecture | iteration ckpt | compiled | step s | x {args.architectures[0]} plain "
+          f"| x own plain step | grad max rel. diff | first step s |")
+    print("|---|---|---|---|---|---|---|---|")
     rows = spawn_local(measure, 1, threads_per_rank=args.threads, timeout_s=3600,
                        architectures=args.architectures, shape=shape, modes=modes,
                        rounds=args.rounds)[0]
     for r in rows:
-        print(f"| {r['label']} | {r['mode']} | {r['step_s']:.3f} | {r['x_base']:.2f} | "
-              f"{r['x_plain']:.3f} | {r['grad_error']:.1e} |")
+        name, compiled = r["mode"]
+        print(f"| {r['label']} | {name} | {'yes' if compiled else 'no'} | {r['step_s']:.3f} | "
+              f"{r['x_base']:.2f} | {r['x_plain']:.3f} | {r['grad_error']:.1e} | "
+              f"{r['warm_up_s']:.1f} |")
     return 0
 
 
