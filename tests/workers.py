@@ -261,3 +261,29 @@ def zero_optimizer_state_bytes(stages):
         engine.train_step(micro_batches(n=2 // dp, batch=2, seq=16))
         out[stage] = optimizer_state_bytes(engine.optimizer)
     return out
+
+
+def compiled_against_eager(variants):
+    """Per variant: eager and ``compile=True`` losses and gradients (no dropout), and, with
+    dropout on, the compiled model with and without per-pass checkpointing (recompute must
+    replay the compiled pass's dropout masks)."""
+    from megatron_iiet.distributed import seed_everything
+    from megatron_iiet.model.sharding import gather_full, grads_of
+    from megatron_iiet.training.step import forward_backward
+
+    def run(variant, **overrides):
+        seed_everything(99)
+        model = build_tiny(variant, **overrides)
+        seed_everything(5)
+        losses = [m["loss"] for m in forward_backward(model, micro_batches())]
+        return losses, gather_full(model, grads_of(model))
+
+    out = {}
+    dropout = dict(hidden_dropout=0.1, attention_dropout=0.1, compile=True)
+    for variant in variants:
+        eager, compiled = run(variant), run(variant, compile=True)
+        plain, ckpt = run(variant, **dropout), run(variant, iteration_checkpointing="all_passes",
+                                                   **dropout)
+        out[variant_id(variant)] = dict(eager=eager, compiled=compiled,
+                                        dropout_plain=plain, dropout_checkpointed=ckpt)
+    return out

@@ -49,13 +49,14 @@ def train_config_from_dict(tree: dict):
 
 def single_process_model_config(train_cfg, vocab_size: int, tensor: int = 1, pipeline: int = 1):
     """The model config of a saved training config, rebuilt for inference (no recompute) at
-    TP=``tensor``/PP=``pipeline`` (default one process)."""
+    TP=``tensor``/PP=``pipeline`` (default one process). Eager: evaluation's varying shapes
+    would recompile a compiled pass for every new length."""
     from megatron_iiet.training.config import build_model_config
 
     par = dataclasses.replace(train_cfg.parallel, tensor=tensor, pipeline=pipeline)
     model = dataclasses.replace(train_cfg.model, recompute_granularity=None,
                                 recompute_method=None, recompute_num_layers=None,
-                                iteration_checkpointing="none")
+                                iteration_checkpointing="none", compile=False)
     try:
         return build_model_config(dataclasses.replace(train_cfg, parallel=par, model=model),
                                   vocab_size)

@@ -48,6 +48,12 @@ class IIETTransformerConfig(TransformerConfig):
     iteration_checkpointing: str = "none"
     """Per-pass activation checkpointing: none | all_passes | all_but_last_pass."""
 
+    compile: bool = False
+    """Run each pass (block + its norm) under torch.compile, one compiled function shared by all
+    layers. Off by default: on CPU it was measured slower for vanilla and at best ~10% faster
+    for IIET, with a compile of tens of seconds (docs/benchmarks.md, "torch.compile of the
+    pass"). Training only: the HF export runs eagerly."""
+
     history_norm_eps: float = 1e-5
     """eps of the history LayerNorms (Np, Nc) and PCformer's stage norms."""
 

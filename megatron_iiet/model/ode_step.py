@@ -45,6 +45,41 @@ def checkpoint_with_rng_replay(function: Callable, *args):
     return torch_checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
 
 
+def run_pass(block: torch.nn.Module, norm: Optional[torch.nn.Module], u: torch.Tensor,
+             block_kwargs: dict) -> torch.Tensor:
+    """One pass: ``norm(Block(u))`` (or ``Block(u)``)."""
+    out, _ = block(u, **block_kwargs)
+    return out if norm is None else norm(out)
+
+
+_compiled_run_pass: Optional[Callable] = None
+
+# Distinct graphs of one run: (architecture's pass kinds: with / without a norm) x (train / eval)
+# x (micro-batch shapes: training, validation, evaluation). dynamo's default of 8 recompiles
+# per function would fall back to eager silently at about that count.
+COMPILE_RECOMPILE_LIMIT = 64
+
+
+def compiled_run_pass() -> Callable:
+    """``run_pass`` under torch.compile, created once per process.
+
+    One function for every layer: the block and norm are arguments, so dynamo treats their
+    parameters as graph inputs and every layer of the same shape reuses one graph (instead of
+    one compile per layer, as ``torch.compile(module)`` per block would). ``dynamic=False``
+    because a run has a handful of fixed shapes. Graph breaks remain where megatron's
+    attention forks the tensor-parallel RNG tracker (``get_rng_state`` cannot be traced);
+    each pass is then two or three graphs, not one.
+    """
+    global _compiled_run_pass
+    if _compiled_run_pass is None:
+        import torch._dynamo
+
+        limit = max(torch._dynamo.config.recompile_limit, COMPILE_RECOMPILE_LIMIT)
+        torch._dynamo.config.recompile_limit = limit
+        _compiled_run_pass = torch.compile(run_pass, dynamic=False)
+    return _compiled_run_pass
+
+
 def checkpointed_passes(mode: str, total_passes: int) -> list[bool]:
     """Which passes of a layer are checkpointed under an iteration_checkpointing mode."""
     if mode == "none":
@@ -61,7 +96,8 @@ class PassRunner:
 
     Calling it runs the next pass: ``runner(u)`` is ``Block(u)``; ``runner(u, norm)`` is
     ``norm(Block(u))`` with the norm inside the checkpointed region, so a checkpointed pass keeps
-    only ``u`` and its (normalised) output.
+    only ``u`` and its (normalised) output. With ``compiled`` the pass runs under torch.compile
+    (``model.compile``), inside the checkpointed region when there is one.
     """
 
     def __init__(
@@ -69,8 +105,10 @@ class PassRunner:
         block: torch.nn.Module,
         block_kwargs: dict,
         checkpoint_flags: list[bool],
+        compiled: bool = False,
     ):
         self.block = block
+        self.run_pass = compiled_run_pass() if compiled else run_pass
         self.block_kwargs = block_kwargs
         self.checkpoint_flags = checkpoint_flags
         self.passes_run = 0
@@ -80,8 +118,7 @@ class PassRunner:
         return len(self.checkpoint_flags)
 
     def _run_block(self, u: torch.Tensor, norm: Optional[torch.nn.Module]) -> torch.Tensor:
-        out, _ = self.block(u, **self.block_kwargs)
-        return out if norm is None else norm(out)
+        return self.run_pass(self.block, norm, u, self.block_kwargs)
 
     def __call__(self, u: torch.Tensor, norm: Optional[torch.nn.Module] = None) -> torch.Tensor:
         index = self.passes_run

@@ -60,7 +60,8 @@ class ODELayer(MegatronModule):
         checkpoint_passes: bool = True,
     ) -> torch.Tensor:
         mode = self.config.iteration_checkpointing if checkpoint_passes else "none"
-        run = PassRunner(self.block, block_kwargs, checkpointed_passes(mode, self.passes))
+        run = PassRunner(self.block, block_kwargs, checkpointed_passes(mode, self.passes),
+                         compiled=self.config.compile)
         out = self.architecture.step(
             StepInputs(x=x, history=history.layer(self.history) if history else None, run=run,
                        layer=self, shared=shared, iterations=self.iterations)

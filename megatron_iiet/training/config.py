@@ -31,6 +31,7 @@ class ModelSection:
     iterations: Optional[list[int]] = None
     max_iterations: Optional[int] = None
     iteration_checkpointing: Optional[str] = None
+    compile: Optional[bool] = None
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None

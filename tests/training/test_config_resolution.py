@@ -15,6 +15,7 @@ from megatron_iiet.training.config import (
     ("model.architecture=rk3", "model.architecture: unknown 'rk3'"),
     ("model.preset=7b", "model.preset: unknown '7b'"),
     ("model.iteration_checkpointing=some", "model.iteration_checkpointing: unknown 'some'"),
+    ("model.compile=maybe", "model.compile: expected bool, got 'maybe'"),
 ])
 def test_a_bad_model_setting_fails_when_the_config_is_loaded(override, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")
@@ -26,7 +27,20 @@ def test_unset_model_fields_take_the_model_configs_defaults():
     built = build_model_config(TrainConfig(), padded_vocab_size(500))
     defaults = {f.name: f.default for f in dataclasses.fields(IIETTransformerConfig)}
     for name in ("architecture", "formulation", "max_iterations", "iteration_checkpointing",
-                 "hidden_dropout", "attention_dropout", "init_method_std"):
+                 "compile", "hidden_dropout", "attention_dropout", "init_method_std"):
         assert getattr(ModelSection(), name) is None, f"{name}: a second default"
         assert getattr(built, name) == defaults[name], name
     assert built.vocab_size == 512
+
+
+def test_model_compile_reaches_the_model_config():
+    built = build_model_config(load_config(None, ["model.compile=true"]), padded_vocab_size(500))
+    assert built.compile is True
+
+
+def test_inference_rebuilds_a_compiled_runs_model_eagerly():
+    # Evaluation's varying sequence lengths would recompile a compiled pass for each new shape.
+    from megatron_iiet.hf.megatron_model import single_process_model_config
+
+    train_cfg = load_config(None, ["model.compile=true"])
+    assert single_process_model_config(train_cfg, padded_vocab_size(500)).compile is False
