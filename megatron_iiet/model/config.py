@@ -50,9 +50,9 @@ class IIETTransformerConfig(TransformerConfig):
 
     compile: bool = False
     """Run each pass (block + its norm) under torch.compile, one compiled function shared by all
-    layers. Off by default: on CPU it was measured slower for vanilla and at best ~10% faster
-    for IIET, with a compile of tens of seconds (docs/benchmarks.md, "torch.compile of the
-    pass"). Training only: the HF export runs eagerly."""
+    layers. Off by default: on CPU it buys 3-6% for IIET and PCformer and nothing for vanilla,
+    for a compile of ~10-70 s per rank (docs/benchmarks.md, "torch.compile of the pass").
+    Training only: evaluation and the HF export run eagerly."""
 
     history_norm_eps: float = 1e-5
     """eps of the history LayerNorms (Np, Nc) and PCformer's stage norms."""
