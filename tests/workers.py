@@ -58,21 +58,25 @@ def loss_and_grads(variants, **overrides):
     """Per variant: the step's micro-batch losses (last stage only) and full gradients."""
     from megatron.core import parallel_state as ps
 
-    from megatron_iiet.distributed import seed_everything
-    from megatron_iiet.training.step import forward_backward
-    from megatron_iiet.model.sharding import gather_full, grads_of
-
     results = {}
     for variant in variants:
-        seed_everything(99)
-        model = build_tiny(variant, **overrides)
-        seed_everything(5)
-        losses = [m["loss"] for m in forward_backward(model, micro_batches())]
+        losses, grads = _step_losses_and_full_grads(variant, **overrides)
         results[variant_id(variant)] = {
-            "losses": losses if ps.is_pipeline_last_stage() else None,
-            "grads": gather_full(model, grads_of(model)),
-        }
+            "losses": losses if ps.is_pipeline_last_stage() else None, "grads": grads}
     return results
+
+
+def _step_losses_and_full_grads(variant, **overrides):
+    """One forward/backward step of the tiny model: micro-batch losses, gathered gradients."""
+    from megatron_iiet.distributed import seed_everything
+    from megatron_iiet.model.sharding import gather_full, grads_of
+    from megatron_iiet.training.step import forward_backward
+
+    seed_everything(99)
+    model = build_tiny(variant, **overrides)
+    seed_everything(5)
+    losses = [m["loss"] for m in forward_backward(model, micro_batches())]
+    return losses, gather_full(model, grads_of(model))
 
 
 def checkpointing_matches(variants, modes):
@@ -267,17 +271,7 @@ def compiled_against_eager(variants):
     """Per variant: eager and ``compile=True`` losses and gradients (no dropout), and, with
     dropout on, the compiled model with and without per-pass checkpointing (recompute must
     replay the compiled pass's dropout masks)."""
-    from megatron_iiet.distributed import seed_everything
-    from megatron_iiet.model.sharding import gather_full, grads_of
-    from megatron_iiet.training.step import forward_backward
-
-    def run(variant, **overrides):
-        seed_everything(99)
-        model = build_tiny(variant, **overrides)
-        seed_everything(5)
-        losses = [m["loss"] for m in forward_backward(model, micro_batches())]
-        return losses, gather_full(model, grads_of(model))
-
+    run = _step_losses_and_full_grads
     out = {}
     dropout = dict(hidden_dropout=0.1, attention_dropout=0.1, compile=True)
     for variant in variants:
