@@ -16,7 +16,7 @@ and backward, instead of O(l) per pass.
 Autograd. The buffer is written once per state and read by every later layer, which autograd
 cannot track in place; the three functions below carry the gradients themselves. A later layer's
 partial sums add ``d loss / d S_k`` into a gradient buffer of the same shape (one ``addmm`` per
-layer), and the function that stored ``S_k`` hands that slot to the state's producer. A chain of
+layer; the first writes instead of adding, so the buffer is never zero-filled), and the function that stored ``S_k`` hands that slot to the state's producer. A chain of
 empty *tokens* (each store takes the previous token and returns a new one, each partial sum takes
 the newest) gives autograd the order: every reader of slot k runs its backward before the store
 of ``S_k`` does.
@@ -74,11 +74,18 @@ class StateBuffer:
         """Slots first..first+count-1 as a [count, s*b*h] matrix (a view)."""
         return tensor[first * self.seq:(first + count) * self.seq].view(count, -1)
 
-    def grad_rows(self, first: int, count: int) -> torch.Tensor:
-        if self.grad is None:
-            self.grad = torch.zeros_like(self.data)
+    def grad_rows(self, first: int, count: int) -> tuple[torch.Tensor, bool]:
+        """Slots first..first+count-1 of ``grad`` as rows, and whether this is the buffer's first
+        write: then the rows hold garbage and the caller writes them instead of adding. The first
+        writer (the stage's last reader in forward) covers every slot a later one touches, so
+        only the slots outside its range are zeroed, not the whole buffer."""
+        fresh = self.grad is None
+        if fresh:
+            self.grad = torch.empty_like(self.data)
+            self.grad[:first * self.seq].zero_()
+            self.grad[(first + count) * self.seq:].zero_()
         self.grad_slots = max(self.grad_slots, first + count)
-        return self.rows(self.grad, first, count)
+        return self.rows(self.grad, first, count), fresh
 
     def state_grad(self, state_index: int) -> Optional[torch.Tensor]:
         slot = state_index + 1
@@ -127,7 +134,8 @@ class _PartialSums(torch.autograd.Function):
         buffer, count = ctx.buffer, ctx.count
         grads = torch.stack([pop_grad.reshape(-1), refine_grad.reshape(-1)])  # [2, s*b*h]
         weight_grads = torch.mm(grads, buffer.rows(buffer.data, 1, count).t())
-        buffer.grad_rows(1, count).addmm_(weights.t(), grads)
+        rows, fresh = buffer.grad_rows(1, count)
+        rows.addmm_(weights.t(), grads, beta=0.0 if fresh else 1.0)  # beta 0 ignores the garbage
         full = weight_grads.new_zeros((2, ctx.full_length))
         full[:, :count] = weight_grads
         full = full.to(ctx.weight_dtype)
@@ -147,7 +155,12 @@ class _SendStates(torch.autograd.Function):
     @staticmethod
     def backward(ctx, packed_grad):
         buffer = ctx.buffer
-        buffer.grad_rows(0, buffer.slots).add_(packed_grad.reshape(buffer.slots, -1))
+        rows, fresh = buffer.grad_rows(0, buffer.slots)
+        packed_grad = packed_grad.reshape(buffer.slots, -1)
+        if fresh:
+            rows.copy_(packed_grad)
+        else:
+            rows.add_(packed_grad)
         return buffer.slot(buffer.grad, 0), None, None
 
 
@@ -164,7 +177,9 @@ class _ReceiveStates(torch.autograd.Function):
     @staticmethod
     def backward(ctx, x_grad, _token_grad):
         buffer, slots = ctx.buffer, ctx.slots
-        grad = buffer.grad_rows(0, slots)
+        grad, fresh = buffer.grad_rows(0, slots)
+        if fresh:  # no layer of this stage read the received states (not in practice)
+            grad[1:].zero_()
         grad[0].copy_(x_grad.reshape(-1))
         return buffer.rows(buffer.grad, 0, slots).view(slots * buffer.seq, *x_grad.shape[1:]), None
 
