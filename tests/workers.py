@@ -109,6 +109,43 @@ def checkpointing_matches(variants, modes):
     return out
 
 
+def kept_tail_recompute(variants, modes=("none", "all_passes", "all_passes_keep_tail")):
+    """Per variant and mode, without dropout: the step's gradients and the aten matmuls (``mm``)
+    and LayerNorms run during it, counted at dispatch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_iiet.distributed import seed_everything
+    from megatron_iiet.model.sharding import grads_of
+    from megatron_iiet.training.step import forward_backward
+
+    counted = ("mm", "native_layer_norm")
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = dict.fromkeys(counted, 0)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in self.calls:
+                self.calls[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    out = {}
+    for variant in variants:
+        for mode in modes:
+            seed_everything(99)
+            model = build_tiny(variant, iteration_checkpointing=mode)
+            with Count() as count:
+                forward_backward(model, micro_batches())
+            passes = sum(layer.passes for layer in model.decoder.layers)
+            out[(variant_id(variant), mode)] = {
+                "grads": {k: v.clone() for k, v in grads_of(model).items()},
+                "calls": count.calls, "passes": passes,
+            }
+    return out
+
+
 def run_without_dropout(variant):
     from megatron_iiet.distributed import seed_everything
     from megatron_iiet.training.step import forward_backward

@@ -12,9 +12,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_iiet.model.architectures import (architecture_names, formulation_names,
                                                get_architecture, iterating_names)
+from megatron_iiet.model.ode_step import KEEP_TAIL_MODE
 from megatron_iiet.platform import gpu_only_refusal, model_config_defaults
 
-ITERATION_CHECKPOINTING = ("none", "all_passes", "all_but_last_pass")
+ITERATION_CHECKPOINTING = ("none", "all_passes", "all_but_last_pass", KEEP_TAIL_MODE)
 HISTORY_INITS = ("uniform", "current")
 
 
@@ -46,7 +47,9 @@ class IIETTransformerConfig(TransformerConfig):
     """IIET: r, the iterations the model was (or is being) trained with."""
 
     iteration_checkpointing: str = "none"
-    """Per-pass activation checkpointing: none | all_passes | all_but_last_pass."""
+    """Per-pass activation checkpointing: none | all_passes | all_but_last_pass |
+    all_passes_keep_tail (every pass, but FC2's and the pass norm's inputs are kept, so the
+    recompute ends before FC2: less recompute for ffn/h + 1 more vectors per token per pass)."""
 
     compile: bool = False
     """Run each pass (block + its norm) under torch.compile, one compiled function shared by all
@@ -158,6 +161,12 @@ class IIETTransformerConfig(TransformerConfig):
         if pp > 1 and self.num_layers % pp != 0:
             raise ValueError(
                 f"pipeline_model_parallel_size: {pp} does not divide num_layers ({self.num_layers})"
+            )
+        if self.iteration_checkpointing == KEEP_TAIL_MODE and self.compile:
+            raise ValueError(
+                f"iteration_checkpointing: {KEEP_TAIL_MODE!r} cannot be combined with "
+                "model.compile (a compiled pass saves its tensors as one graph, so its tail "
+                "cannot be kept apart); use 'all_passes' with compile"
             )
         if self.iteration_checkpointing != "none":
             if self.recompute_granularity == "selective":

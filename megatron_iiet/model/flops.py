@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from megatron_iiet.model.architectures import get_architecture
 from megatron_iiet.model.config import IIETTransformerConfig
-from megatron_iiet.model.ode_step import checkpointed_passes
+from megatron_iiet.model.ode_step import KEEP_TAIL_MODE, checkpointed_passes
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,9 @@ def step_flops(config: IIETTransformerConfig, batch_size: int, seq_length: int) 
     logits = 2.0 * tokens * config.hidden_size * config.vocab_size
     forward = layers + logits
 
+    recompute = per_pass
+    if config.iteration_checkpointing == KEEP_TAIL_MODE and not config.hidden_dropout:
+        recompute -= 2.0 * tokens * config.ffn_hidden_size * config.hidden_size  # FC2 is kept
     recomputed = 0.0
     per_stage = len(passes) // config.pipeline_model_parallel_size
     for start in range(0, len(passes), per_stage):
@@ -62,7 +65,7 @@ def step_flops(config: IIETTransformerConfig, batch_size: int, seq_length: int) 
                 config.recompute_num_layers, len(stage))
         recomputed += sum(p * per_pass + added for p in stage[:whole])
         for p in stage[whole:]:
-            recomputed += sum(checkpointed_passes(config.iteration_checkpointing, p)) * per_pass
+            recomputed += sum(checkpointed_passes(config.iteration_checkpointing, p)) * recompute
     return StepFlops(forward=forward, model=3.0 * forward, hardware=3.0 * forward + recomputed)
 
 

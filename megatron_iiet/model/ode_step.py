@@ -52,6 +52,42 @@ def run_pass(block: torch.nn.Module, norm: Optional[torch.nn.Module], u: torch.T
     return out if norm is None else norm(out)
 
 
+# Every pass checkpointed, but its tail (FC2 and the pass's norm) keeps its saved tensors: see
+# PassRunner.
+KEEP_TAIL_MODE = "all_passes_keep_tail"
+
+
+def _as_is(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+class _SavedAsIs:
+    """While ``module`` runs, the tensors it saves for backward are stored as they are instead of
+    being left to the enclosing checkpoint (module hooks, so the block's code is not forked)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __enter__(self):
+        contexts = []
+
+        def enter(_module, _args):
+            contexts.append(torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is))
+            contexts[-1].__enter__()
+
+        def leave(_module, _args, _output):
+            if contexts:
+                contexts.pop().__exit__(None, None, None)
+
+        self.handles = (self.module.register_forward_pre_hook(enter),
+                        self.module.register_forward_hook(leave, always_call=True))
+        return self
+
+    def __exit__(self, *_exc):
+        for handle in self.handles:
+            handle.remove()
+
+
 _compiled_run_pass: Optional[Callable] = None
 
 # Distinct graphs of one run: (architecture's pass kinds: with / without a norm) x (train / eval)
@@ -84,7 +120,7 @@ def checkpointed_passes(mode: str, total_passes: int) -> list[bool]:
     """Which passes of a layer are checkpointed under an iteration_checkpointing mode."""
     if mode == "none":
         return [False] * total_passes
-    if mode == "all_passes":
+    if mode in ("all_passes", KEEP_TAIL_MODE):
         return [True] * total_passes
     if mode == "all_but_last_pass":
         return [True] * (total_passes - 1) + [False]
@@ -98,6 +134,13 @@ class PassRunner:
     ``norm(Block(u))`` with the norm inside the checkpointed region, so a checkpointed pass keeps
     only ``u`` and its (normalised) output. With ``compiled`` the pass runs under torch.compile
     (``model.compile``), inside the checkpointed region when there is one.
+
+    ``keep_tail`` (``all_passes_keep_tail``): a checkpointed pass also keeps what its FC2 and its
+    norm save (FC2's input, the norm's input). torch's checkpoint stops recomputing after the
+    last operator whose saved tensors it manages, so the recompute then ends at the gated
+    activation, before FC2's matmul and the norm. Costs ffn/(h * tp) + 1 more hidden-size
+    vectors per token per pass. With hidden dropout the mask drawn after FC2 is the
+    checkpoint's to recompute again, so FC2 is recomputed as before (still exact).
     """
 
     def __init__(
@@ -106,12 +149,19 @@ class PassRunner:
         block_kwargs: dict,
         checkpoint_flags: list[bool],
         compiled: bool = False,
+        keep_tail: bool = False,
     ):
         self.block = block
         self.run_pass = compiled_run_pass() if compiled else run_pass
         self.block_kwargs = block_kwargs
         self.checkpoint_flags = checkpoint_flags
         self.passes_run = 0
+        self.tail = None
+        if keep_tail:
+            self.tail = getattr(getattr(block, "mlp", None), "linear_fc2", None)
+            if self.tail is None:
+                raise ValueError(f"iteration_checkpointing={KEEP_TAIL_MODE!r} needs a block "
+                                 f"with mlp.linear_fc2; {type(block).__name__} has none")
 
     @property
     def total_passes(self) -> int:
@@ -119,6 +169,15 @@ class PassRunner:
 
     def _run_block(self, u: torch.Tensor, norm: Optional[torch.nn.Module]) -> torch.Tensor:
         return self.run_pass(self.block, norm, u, self.block_kwargs)
+
+    def _run_block_keeping_tail(self, u: torch.Tensor,
+                                norm: Optional[torch.nn.Module]) -> torch.Tensor:
+        with _SavedAsIs(self.tail):
+            out, _ = self.block(u, **self.block_kwargs)
+        if norm is None:
+            return out
+        with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
+            return norm(out)
 
     def __call__(self, u: torch.Tensor, norm: Optional[torch.nn.Module] = None) -> torch.Tensor:
         index = self.passes_run
@@ -128,7 +187,8 @@ class PassRunner:
             )
         self.passes_run += 1
         if self.checkpoint_flags[index] and torch.is_grad_enabled():
-            return checkpoint_with_rng_replay(self._run_block, u, norm)
+            body = self._run_block if self.tail is None else self._run_block_keeping_tail
+            return checkpoint_with_rng_replay(body, u, norm)
         return self._run_block(u, norm)
 
     def residual(self, u: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,8 @@ from torch import nn
 from megatron_iiet.model.architectures import Architecture, StepInputs, get_architecture
 from megatron_iiet.model.config import IIETTransformerConfig
 from megatron_iiet.model.history import History, slices_crossing_boundary
-from megatron_iiet.model.ode_step import PassRunner, checkpoint_with_rng_replay, checkpointed_passes
+from megatron_iiet.model.ode_step import (KEEP_TAIL_MODE, PassRunner, checkpoint_with_rng_replay,
+                                          checkpointed_passes)
 
 
 class ODELayer(MegatronModule):
@@ -61,7 +62,7 @@ class ODELayer(MegatronModule):
     ) -> torch.Tensor:
         mode = self.config.iteration_checkpointing if checkpoint_passes else "none"
         run = PassRunner(self.block, block_kwargs, checkpointed_passes(mode, self.passes),
-                         compiled=self.config.compile)
+                         compiled=self.config.compile, keep_tail=mode == KEEP_TAIL_MODE)
         out = self.architecture.step(
             StepInputs(x=x, history=history.layer(self.history) if history else None, run=run,
                        layer=self, shared=shared, iterations=self.iterations)
