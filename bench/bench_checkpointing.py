@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_iiet.distributed import spawn_local  # noqa: E402
 from megatron_iiet.model.config import ITERATION_CHECKPOINTING  # noqa: E402
+from megatron_iiet.model.ode_step import KEEP_TAIL_MODE  # noqa: E402
 
 ARCHITECTURES = {"vanilla": dict(architecture="vanilla"), "iiet r=3": dict(architecture="iiet"),
                  "pcformer_rk2": dict(architecture="pcformer_rk2")}
@@ -108,7 +109,8 @@ def main(argv=None) -> int:
                    help="also run every mode with model.compile (torch.compile of each pass)")
     args = p.parse_args(argv)
     names = ["none"] + [m for m in args.modes if m != "none"]
-    modes = [(m, False) for m in names] + ([(m, True) for m in names] if args.compile else [])
+    compilable = [m for m in names if m != KEEP_TAIL_MODE]  # keep_tail runs its passes eagerly
+    modes = [(m, False) for m in names] + ([(m, True) for m in compilable] if args.compile else [])
     shape = dict(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                  ffn_hidden_size=args.ffn, vocab_size=args.vocab, seq=args.seq,
                  micro_batch=args.micro_batch)

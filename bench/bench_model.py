@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_iiet.distributed import spawn_local  # noqa: E402
+from megatron_iiet.model.config import ITERATION_CHECKPOINTING  # noqa: E402
 
 CONFIGS = [
     # label, overrides
@@ -31,7 +32,7 @@ CONFIGS = [
     ("iiet r=3", dict(architecture="iiet")),
     ("iiet r=[1]*L", dict(architecture="iiet", iterations="ones")),
 ]
-CHECKPOINTING = ["none", "all_passes"]  # the default rows; --checkpointing may add all_but_last_pass
+CHECKPOINTING = ["none", "all_passes"]  # the default rows; --checkpointing may add the other modes
 
 
 def _rss_mb() -> float:
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=None,
                    help="comma-separated labels to run (vanilla is always run: the baseline)")
     p.add_argument("--checkpointing", nargs="+", default=CHECKPOINTING,
-                   choices=["none", "all_passes", "all_but_last_pass"])
+                   choices=ITERATION_CHECKPOINTING)
     args = p.parse_args(argv)
     if "none" not in args.checkpointing:
         p.error("--checkpointing must include none (the baseline)")

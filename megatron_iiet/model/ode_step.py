@@ -157,6 +157,9 @@ class PassRunner:
         self.checkpoint_flags = checkpoint_flags
         self.passes_run = 0
         self.tail = None
+        if keep_tail and compiled:
+            raise ValueError(f"iteration_checkpointing={KEEP_TAIL_MODE!r} runs its passes eagerly; "
+                             "it cannot be combined with model.compile")
         if keep_tail:
             self.tail = getattr(getattr(block, "mlp", None), "linear_fc2", None)
             if self.tail is None:

@@ -22,6 +22,8 @@ from tests.workers import preset_parameter_counts
          "iteration_checkpointing"),
         (dict(iteration_checkpointing="all_passes", recompute_granularity="full",
               recompute_method="uniform", recompute_num_layers=1), "iteration_checkpointing"),
+        (dict(iteration_checkpointing="all_passes_keep_tail", compile=True),
+         "iteration_checkpointing"),
         (dict(history_init="random"), "history_init"),
         (dict(no_such_field=1), "no_such_field"),
     ],
@@ -38,6 +40,19 @@ def test_layer_recompute_block_composes_with_pass_checkpointing():
     f = step_flops(cfg, 1, 16)
     per_layer_forward = (f.forward - 2 * 16 * 64 * 512) / 4
     assert f.hardware - f.model == pytest.approx(4 * per_layer_forward)
+
+
+def test_keeping_the_tail_recomputes_each_pass_but_fc2():
+    plain = preset("tiny", iteration_checkpointing="all_passes")
+    kept = plain.replace(iteration_checkpointing="all_passes_keep_tail")
+    fc2 = 2 * 16 * kept.ffn_hidden_size * kept.hidden_size  # one pass of 16 tokens
+    passes = sum(passes_per_layer(kept))
+    f_plain, f_kept = step_flops(plain, 1, 16), step_flops(kept, 1, 16)
+    assert f_plain.hardware - f_kept.hardware == pytest.approx(passes * fc2)
+    assert f_kept.model == f_plain.model
+    # with hidden dropout the mask after FC2 is recomputed, and FC2 with it
+    dropped = kept.replace(hidden_dropout=0.1)
+    assert step_flops(dropped, 1, 16).hardware == pytest.approx(f_plain.hardware)
 
 
 def test_passes_per_layer():
