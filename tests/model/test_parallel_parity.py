@@ -32,10 +32,10 @@ def reference():
     return spawn_local(loss_and_grads, 1, variants=VARIANTS)[0]
 
 
-def _compare(reference, ranks):
+def _compare(reference, ranks, variants=VARIANTS):
     last_stage = [r for r in ranks if next(iter(r.values()))["losses"] is not None]
     assert last_stage, "no rank reported losses"
-    for variant in map(variant_id, VARIANTS):
+    for variant in map(variant_id, variants):
         ref, got = reference[variant], ranks[0][variant]
         for a, b in zip(ref["losses"], last_stage[0][variant]["losses"]):
             assert abs(a - b) <= LOSS_RTOL * abs(a), (variant, a, b)
@@ -52,3 +52,13 @@ def _compare(reference, ranks):
 def test_layout_matches_single_process(reference, tp, pp):
     ranks = spawn_local(loss_and_grads, tp * pp, tp, pp, timeout_s=900, variants=VARIANTS)
     _compare(reference, ranks)
+
+
+def test_kept_tail_checkpointing_at_tp2_pp2_matches_the_plain_single_process(reference):
+    """all_passes_keep_tail keeps FC2's (row-parallel, all-reduced) input outside the checkpoint:
+    at TP=2 x PP=2 it still gives the unchecked single-process step."""
+    variants = [v for v in VARIANTS if v[0] in ("iiet", "pcformer_rk2")]
+    ranks = spawn_local(loss_and_grads, 4, 2, 2, timeout_s=900, variants=variants,
+                        iteration_checkpointing="all_passes_keep_tail")
+    _compare({variant_id(v): reference[variant_id(v)] for v in variants}, ranks,
+             variants=variants)
