@@ -48,8 +48,9 @@ class IIETTransformerConfig(TransformerConfig):
 
     iteration_checkpointing: str = "none"
     """Per-pass activation checkpointing: none | all_passes | all_but_last_pass |
-    all_passes_keep_tail (every pass, but FC2's and the pass norm's inputs are kept, so the
-    recompute ends before FC2: less recompute for ffn/h + 1 more vectors per token per pass)."""
+    all_passes_keep_tail (every pass, but FC2's and the pass norm's inputs are kept, so FC2's
+    matmul and the norm are not recomputed, for ffn/h + 1 more hidden-size vectors per token
+    per pass)."""
 
     compile: bool = False
     """Run each pass (block + its norm) under torch.compile, one compiled function shared by all

@@ -16,10 +16,10 @@ and backward, instead of O(l) per pass.
 Autograd. The buffer is written once per state and read by every later layer, which autograd
 cannot track in place; the three functions below carry the gradients themselves. A later layer's
 partial sums add ``d loss / d S_k`` into a gradient buffer of the same shape (one ``addmm`` per
-layer; the first writes instead of adding, so the buffer is never zero-filled), and the function that stored ``S_k`` hands that slot to the state's producer. A chain of
-empty *tokens* (each store takes the previous token and returns a new one, each partial sum takes
-the newest) gives autograd the order: every reader of slot k runs its backward before the store
-of ``S_k`` does.
+layer; the first writes instead of adding, so the buffer is never zero-filled), and the function
+that stored ``S_k`` hands that slot to the state's producer. A chain of empty *tokens* (each
+store takes the previous token and returns a new one, each partial sum takes the newest) gives
+autograd the order: every reader of slot k runs its backward before the store of ``S_k`` does.
 
 Across a pipeline-stage boundary the next stage needs the layer output and all states so far:
 they travel as the buffer itself, ``[x; S_0; ...; S_m]`` stacked along the sequence dimension,
