@@ -51,7 +51,8 @@ def measure(architectures: list[str], shape: dict, rounds: int) -> dict:
         return IIETGPTModel(cfg)
 
     def tokens(seq: int, mb: int) -> torch.Tensor:
-        return torch.randint(0, shape["vocab"], (mb, seq + 1), generator=torch.Generator().manual_seed(0))
+        generator = torch.Generator().manual_seed(0)
+        return torch.randint(0, shape["vocab"], (mb, seq + 1), generator=generator)
 
     def step(model, ids) -> tuple[float, float]:
         model.zero_grad(set_to_none=True)
@@ -112,7 +113,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--architectures", nargs=2, default=["vanilla", "iiet"], metavar=("BASE", "OTHER"))
+    p.add_argument("--architectures", nargs=2, default=["vanilla", "iiet"],
+                   metavar=("BASE", "OTHER"))
     p.add_argument("--passes-ratio", type=float, default=4.0,
                    help="passes of OTHER per pass of BASE (IIET r=3 / vanilla: 4)")
     p.add_argument("--top", type=int, default=15)
@@ -124,7 +126,8 @@ def main(argv=None) -> int:
     base, other, k = *args.architectures, args.passes_ratio
     print(f"shape: {shape}, fp32, 1 thread; {other} against {base}, passes ratio {k:g}\n")
 
-    print("| architecture | forward s | backward s | B/F | (F+B+F)/(F+B) | overhead s/step (h32, seq 8) |")
+    print("| architecture | forward s | backward s | B/F | (F+B+F)/(F+B) "
+          "| overhead s/step (h32, seq 8) |")
     print("|---|---|---|---|---|---|")
     for arch in args.architectures:
         f, b = res["split"][arch]
