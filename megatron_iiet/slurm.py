@@ -78,10 +78,21 @@ def _config(argv: list[str]):
 def _missing_inputs(config) -> list[str]:
     """Files the run names that are not there (checked by the trainer too, but only after every
     node has started Python and joined the process group)."""
+    from megatron_iiet.data.blend import blend_pairs
+
     missing = []
-    for prefix in [config.data.train] if isinstance(config.data.train, str) else []:
-        if not prefix.startswith("builtin") and not Path(prefix + ".bin").is_file():
-            missing.append(f"data.train {prefix} (no {prefix}.bin)")
+    for key in ("train", "valid"):
+        spec = getattr(config.data, key)
+        if spec is None:
+            continue  # the built-in corpus / a split of data.train
+        try:
+            pairs = blend_pairs(spec)
+        except ValueError as err:
+            missing.append(f"data.{key}: {err}")
+            continue
+        for _, prefix in pairs:
+            if not Path(prefix + ".bin").is_file() or not Path(prefix + ".idx").is_file():
+                missing.append(f"data.{key} {prefix} (no {prefix}.bin / .idx)")
     tokenizer = config.data.tokenizer
     if tokenizer and not Path(tokenizer).exists():
         missing.append(f"data.tokenizer {tokenizer}")

@@ -28,6 +28,18 @@ def _check_token_ids(prefix: str, token_ids: indexed_io.TokenRange | None, vocab
                          f"of {vocab_size} (ids 0..{vocab_size - 1}); preprocess it with this tokenizer")
 
 
+def blend_pairs(spec: str | Sequence) -> list[tuple[str, str]]:
+    """[(weight text, prefix), ...] of a blend, as training parses it (no file is read)."""
+    items = _parse(spec)
+    if not items:
+        raise ValueError("empty blend: give 'PREFIX' or 'WEIGHT PREFIX WEIGHT PREFIX ...'")
+    if len(items) == 1:
+        return [("1", items[0])]
+    if len(items) % 2:
+        raise ValueError(f"blend has {len(items)} items; expected WEIGHT PREFIX pairs: {' '.join(items)}")
+    return list(zip(items[0::2], items[1::2]))
+
+
 def validate_blend(spec: str | Sequence, expected_fingerprint: str | None = None, verify_checksums: bool = True,
                    vocab_size: int | None = None) -> list[tuple[float, str]]:
     """Parse and check a blend; returns [(weight, prefix), ...].
@@ -38,15 +50,7 @@ def validate_blend(spec: str | Sequence, expected_fingerprint: str | None = None
     that read, or taken from the meta.json when checksums are not verified.
     Raises ValueError with a message naming the offending entry.
     """
-    items = _parse(spec)
-    if not items:
-        raise ValueError("empty blend: give 'PREFIX' or 'WEIGHT PREFIX WEIGHT PREFIX ...'")
-    if len(items) == 1:
-        pairs = [("1", items[0])]
-    else:
-        if len(items) % 2:
-            raise ValueError(f"blend has {len(items)} items; expected WEIGHT PREFIX pairs: {' '.join(items)}")
-        pairs = list(zip(items[0::2], items[1::2]))
+    pairs = blend_pairs(spec)
     result: list[tuple[float, str]] = []
     fingerprint_source: tuple[str, str] | None = None
     if expected_fingerprint is not None:
