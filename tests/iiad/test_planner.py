@@ -61,7 +61,12 @@ def test_unreachable_targets_and_a_threshold_that_drops_everything_are_refused()
     pl = planner()
     with pytest.raises(PlanError, match="at least 5 passes"):
         pl.for_passes(4)
-    with pytest.raises(PlanError, match="not reached"):
+    with pytest.raises(PlanError, match="not reached") as refused:
         pl.for_speedup(100.0)
+    # the message names the best reachable speed-up, and that value is reachable
+    best = float(str(refused.value).split("best reachable is ")[1].split("x")[0])
+    assert pl.for_speedup(best).speedup == pytest.approx(best, abs=1e-3)
+    with pytest.raises(PlanError, match="not reached"):
+        pl.for_speedup(best + 0.01)
     with pytest.raises(PlanError, match="drops every iteration"):
         pl.plan(0.6)
