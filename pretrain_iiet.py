@@ -16,11 +16,42 @@ from megatron_iiet.training.signals import protect_spawned_helper
 protect_spawned_helper(__name__)  # megatron's spawned helpers re-import this file
 
 
+def config_fields() -> str:
+    """Every config field as `section.field (type, default)`, grouped by section: --help's
+    epilog, generated from the config's dataclasses so it cannot fall behind them."""
+    import dataclasses
+    import textwrap
+
+    from megatron_iiet.training.config import TrainConfig
+
+    def type_name(t) -> str:
+        return str(t).replace("typing.", "").replace("Optional[", "").rstrip("]") \
+            if not isinstance(t, type) else t.__name__
+
+    lines = ["config fields (YAML sections, or --set SECTION.FIELD=VALUE; docs/training.md "
+             "explains each):"]
+    for section in dataclasses.fields(TrainConfig):
+        default = section.default_factory() if section.default_factory is not dataclasses.MISSING \
+            else section.default
+        if not dataclasses.is_dataclass(default):
+            lines.append(f"  {section.name} ({type_name(section.type)}, default {default!r})")
+            continue
+        names = [f"{f.name}={getattr(default, f.name)!r}" for f in dataclasses.fields(default)]
+        lines += textwrap.wrap(", ".join(names), 100, initial_indent=f"  {section.name}: ",
+                               subsequent_indent="      ")
+    return "\n".join(lines)
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    wants_help = any(a in ("-h", "--help") for a in (sys.argv[1:] if argv is None else argv))
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
+                                epilog=config_fields() if wants_help else None)
     p.add_argument("--config", help="YAML file (see examples/)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set optimizer.lr=3e-4 (repeatable)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (the YAML with every --set and default "
+                        "applied) and exit without training")
     return p.parse_args(argv)
 
 
@@ -33,6 +64,11 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        return 0
 
     from megatron_iiet.distributed import teardown
     from megatron_iiet.errors import OperatorError
