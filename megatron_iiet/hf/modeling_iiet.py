@@ -252,7 +252,9 @@ class IIETDecoderLayer(nn.Module):
 def uniform_lower_triangular(size):
     """Row i holds 1/(i+1) in columns 0..i: every row starts as a plain average of the states."""
     rows = torch.arange(size, dtype=torch.float32)[:, None]
-    return torch.tril(torch.ones(size, size)) / (rows + 1)
+    # in the default dtype, as every other parameter: from_pretrained(dtype=bf16) sets it while
+    # the model is built, and a parameter created in fp32 would stay fp32 through the load
+    return (torch.tril(torch.ones(size, size)) / (rows + 1)).to(torch.get_default_dtype())
 
 
 class HistoryStates:
@@ -536,7 +538,9 @@ def refuse_output_attentions(flag, config):
 class IIETPreTrainedModel(PreTrainedModel):
     config_class = IIETConfig
     base_model_prefix = "model"
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
+    """Each block pass is recomputed in the backward (the history's mixing is not: it is small
+    and holds the only state shared between passes)."""
     _no_split_modules = ["IIETDecoderLayer"]
     _supports_sdpa = True  # "eager" needs no flag; flash / flex attention are refused below
 
@@ -552,6 +556,13 @@ class IIETPreTrainedModel(PreTrainedModel):
         if requested_attention is not None:
             attention_function(requested_attention)
         return super().get_correct_attn_implementation(requested_attention, is_init_check)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        # transformers records only the saved class in auto_map; AutoModel (the base model of a
+        # causal-LM export) must load from the folder alone too
+        self.config.auto_map = {"AutoModel": "modeling_iiet.IIETModel",
+                                **(getattr(self.config, "auto_map", None) or {})}
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -582,6 +593,7 @@ class IIETModel(IIETPreTrainedModel):
         for name, value in step_of(config).model_parameters(config).items():
             setattr(self, name, value)
         self._rope = RopeTable()  # not a module or buffer: no state-dict entry
+        self.gradient_checkpointing = False  # gradient_checkpointing_enable() turns it on
         self.post_init()
 
     def get_input_embeddings(self):
@@ -649,6 +661,9 @@ class IIETModel(IIETPreTrainedModel):
                 all_hidden.append(x if len(all_hidden) in keep else None)
 
             def run(u, pass_index, layer=layer):
+                if self.gradient_checkpointing and self.training:
+                    return self._gradient_checkpointing_func(layer.block, u,
+                                                             pass_index, ctx)
                 return layer.block(u, pass_index, ctx)
 
             x = step(run, x, layer=layer, history=history, states=states, model=self, iterations=iterations)
@@ -708,6 +723,7 @@ class IIETForCausalLM(IIETPreTrainedModel, GenerationMixin):
         return result if _return_dict(return_dict, self.config) else result.to_tuple()
 
 
+IIETModel.register_for_auto_class("AutoModel")
 IIETForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
 __all__ = ["IIETCache", "IIETModel", "IIETForCausalLM", "IIETPreTrainedModel", "STEPS", "Step"]

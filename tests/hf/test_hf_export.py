@@ -52,6 +52,7 @@ def test_export_folder_layout(tmp_path):
     assert config["iterations"] == [3, 0, 1, 2]
     assert config["auto_map"] == {
         "AutoConfig": "configuration_iiet.IIETConfig",
+        "AutoModel": "modeling_iiet.IIETModel",
         "AutoModelForCausalLM": "modeling_iiet.IIETForCausalLM",
     }
     saved = load_file(str(folder / "model.safetensors"))
