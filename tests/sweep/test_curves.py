@@ -1,0 +1,54 @@
+"""The plateau measure and equal-x comparison of training curves (sweep/curves.py)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from megatron_iiet.sweep.curves import at_equal_x, plateau, unigram_entropy
+
+
+def test_plateau_spans_the_steps_spent_at_the_unigram_entropy():
+    H = 6.7
+    curve = [(s, 8.3 - 0.05 * s) for s in range(0, 30, 1)]  # falls to the plateau by step ~30
+    curve += [(s, H + 0.02 * math.sin(s)) for s in range(30, 200)]  # sits on it
+    curve += [(s, H - 0.03 * (s - 199)) for s in range(200, 400)]  # leaves it
+    found = plateau(curve, H, band=0.1, total_steps=400, window=1)
+    assert found.entered == 30 and found.left == 203  # H - 0.1 crossed 4 steps after leaving
+    assert found.steps == 173 and found.fraction == pytest.approx(173 / 400)
+    stuck = plateau(curve[:200], H, band=0.1, total_steps=400, window=1)
+    assert stuck.left is None and stuck.steps == 400 - 30
+    assert plateau([(s, 8.0) for s in range(10)], H).entered is None
+
+
+def test_smoothing_keeps_one_lucky_batch_from_ending_the_plateau():
+    H = 6.7
+    curve = [(s, H) for s in range(100)]
+    curve[50] = (50, H - 0.5)  # one lucky batch
+    assert plateau(curve, H, window=1).left == 50
+    assert plateau(curve, H, window=8).left is None
+
+
+def test_values_at_equal_tokens_interpolate_inside_each_curve_only():
+    curves = {"a": [(0.0, 8.0), (10.0, 6.0)], "b": [(0.0, 8.0), (5.0, 7.0)]}
+    assert at_equal_x(curves, 5.0) == {"a": 7.0, "b": 7.0}
+    assert at_equal_x(curves, 8.0) == {"a": pytest.approx(6.4), "b": None}
+
+
+def test_unigram_entropy_of_a_dataset(small_dataset):
+    prefix, tokens = small_dataset
+    counts = np.bincount(np.concatenate(tokens))
+    p = counts[counts > 0] / counts.sum()
+    assert unigram_entropy(prefix) == pytest.approx(float(-(p * np.log(p)).sum()), rel=1e-12)
+
+
+@pytest.fixture
+def small_dataset(tmp_path):
+    from megatron_iiet.data.indexed_io import IndexedDatasetWriter
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 50, size=n).astype(np.int32) for n in (5, 300, 1, 2000)]
+    writer = IndexedDatasetWriter(str(tmp_path / "d"), np.int32)
+    writer.add_documents(np.concatenate(docs), np.array([len(d) for d in docs]))
+    writer.finalize({})
+    return str(tmp_path / "d"), docs
