@@ -41,3 +41,14 @@ def parse_iterations(text: str):
         raise argparse.ArgumentTypeError(
             f"expected an int or a comma list of ints (one per layer), got {text!r}") from None
     return values[0] if len(values) == 1 else values
+
+
+def positive_number(text: str) -> float:
+    """argparse type of a bound such as --max-abs-weight: a number > 0 ('inf' for none)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:  # NaN compares false too
+        raise argparse.ArgumentTypeError(f"expected a number > 0 (or inf), got {text!r}")
+    return value

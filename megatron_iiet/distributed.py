@@ -12,7 +12,6 @@ import datetime
 import os
 import pickle
 import socket
-import tempfile
 import traceback
 from typing import Any, Callable
 
@@ -42,8 +41,8 @@ def on_rank0(fn: Callable[[], Any],
 
     ``explain(err)`` turns rank 0's exception into the one to raise (an operator's one-line
     error, or ``err`` itself); the other ranks raise ReportedByRank0 with the same text when it
-    is an operator error (or a ValueError: bad input), else a RuntimeError naming rank 0's
-    failure.
+    is an operator error, else a RuntimeError naming rank 0's failure (a bug, like a plain
+    ValueError: rank 0 shows its traceback).
     """
     from megatron_iiet.errors import OperatorError, ReportedByRank0
 
@@ -54,7 +53,7 @@ def on_rank0(fn: Callable[[], Any],
             outcome = ("ok", fn())
         except Exception as err:  # noqa: BLE001  (re-raised below, on every rank)
             error = explain(err)
-            outcome = ("error", isinstance(error, (OperatorError, ValueError)), str(error))
+            outcome = ("error", isinstance(error, OperatorError), str(error))
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [outcome]
         dist.broadcast_object_list(box, src=0)
@@ -67,13 +66,26 @@ def on_rank0(fn: Callable[[], Any],
     return outcome[1]
 
 
+def all_gather(value: Any) -> list[Any]:
+    """Every rank's ``value`` in rank order, on every rank (``[value]`` without a group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 def initialize(
     tensor_parallel: int = 1,
     pipeline_parallel: int = 1,
     seed: int = 1234,
     timeout_s: float = 600.0,
 ) -> None:
-    """Join the process group (torchrun or srun env vars), build megatron's groups, seed RNGs."""
+    """Join the process group (torchrun or srun env vars), build megatron's groups, seed RNGs.
+
+    ``timeout_s`` bounds every collective, on the default group and on megatron's groups alike
+    (megatron gives its own 30 minutes unless told: a rank stopped during training hung the job
+    for that long in the data-parallel all-reduce, whatever the default group's timeout)."""
     install_cpu_compat()
     from megatron.core import parallel_state
 
@@ -92,16 +104,21 @@ def initialize(
         backend = "nccl" if cuda_available() else "gloo"
         if cuda_available():
             torch.cuda.set_device(local)
+            # NCCL's watchdog only ends a timed-out collective with error handling on
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     world = dist.get_world_size()
     if world % (tensor_parallel * pipeline_parallel) != 0:
-        raise ValueError(
+        from megatron_iiet.errors import BadInput
+
+        raise BadInput(
             f"tensor_parallel x pipeline_parallel ({tensor_parallel} x {pipeline_parallel}) does "
             f"not divide the world size {world}"
         )
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel)
+        parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel,
+                                                 distributed_timeout_minutes=timeout_s / 60)
     seed_everything(seed)
 
 
@@ -128,7 +145,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawned_entry(rank, world, port, tp, pp, fn, kwargs, out_dir, timeout_s, threads):
+def _spawned_entry(rank, world, port, tp, pp, fn, kwargs, conn, timeout_s, threads):
     torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -143,8 +160,10 @@ def _spawned_entry(rank, world, port, tp, pp, fn, kwargs, out_dir, timeout_s, th
             teardown()
         except Exception:
             pass
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
+    # Through a pipe from our own child, not a file: nothing another process could plant. By
+    # value: conn.send would pass tensors as shared-memory handles, which die with this process.
+    conn.send_bytes(pickle.dumps(result))
+    conn.close()
 
 
 def spawn_local(
@@ -162,53 +181,72 @@ def spawn_local(
     traceback, or TimeoutError if a rank hangs past ``timeout_s``.
     """
     import multiprocessing as mp
+    from multiprocessing.connection import wait
 
     ctx = mp.get_context("spawn")
     port = free_port()
-    with tempfile.TemporaryDirectory() as out_dir:
-        procs = [
-            ctx.Process(
-                target=_spawned_entry,
-                args=(r, world_size, port, tensor_parallel, pipeline_parallel, fn, kwargs,
-                      out_dir, min(timeout_s, 120.0), threads_per_rank),
-            )
-            for r in range(world_size)
-        ]
-        env_threads = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = str(threads_per_rank)
-        try:
-            for p in procs:
-                p.start()
-        finally:
-            if env_threads is None:
-                os.environ.pop("OMP_NUM_THREADS", None)
-            else:
-                os.environ["OMP_NUM_THREADS"] = env_threads
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_spawned_entry,
+            args=(r, world_size, port, tensor_parallel, pipeline_parallel, fn, kwargs,
+                  pipes[r][1], min(timeout_s, 120.0), threads_per_rank),
+        )
+        for r in range(world_size)
+    ]
+    env_threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_rank)
+    try:
         for p in procs:
-            remaining = (deadline - datetime.datetime.now()).total_seconds()
-            p.join(max(remaining, 0.1))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        results = []
-        errors = []
-        for r in range(world_size):
-            path = os.path.join(out_dir, f"rank{r}.pkl")
-            if not os.path.exists(path):
+            p.start()
+    finally:
+        if env_threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env_threads
+    for _, sending in pipes:
+        sending.close()  # the child's end: its exit then reads as EOF here
+    # Read while waiting: a large result fills the pipe, and its rank cannot exit before it is read.
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+    received: dict[int, tuple] = {}
+    open_ends = {pipes[r][0]: r for r in range(world_size)}
+    while open_ends:
+        remaining = (deadline - datetime.datetime.now()).total_seconds()
+        ready = wait(list(open_ends), timeout=max(remaining, 0.0))
+        if not ready:
+            break
+        for end in ready:
+            rank = open_ends.pop(end)
+            try:
+                received[rank] = pickle.loads(end.recv_bytes())
+            except EOFError:  # died without a result
+                pass
+            end.close()
+    for end in open_ends:
+        end.close()
+    for p in procs:
+        remaining = (deadline - datetime.datetime.now()).total_seconds()
+        p.join(max(remaining, 0.1))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    results = []
+    errors = []
+    for r in range(world_size):
+        if r not in received:
+            if r not in hung:
                 errors.append(f"rank {r}: exited with code {procs[r].exitcode} without a result")
-                results.append(None)
-                continue
-            with open(path, "rb") as f:
-                status, value = pickle.load(f)
-            if status == "error":
-                errors.append(value)
-            results.append(value)
-        if hung:
-            raise TimeoutError(f"ranks {hung} still running after {timeout_s:.0f}s; "
-                               + ("\n".join(errors) if errors else ""))
-        if errors:
-            raise RuntimeError("\n".join(errors))
-        return results
+            results.append(None)
+            continue
+        status, value = received[r]
+        if status == "error":
+            errors.append(value)
+        results.append(value)
+    if hung:
+        raise TimeoutError(f"ranks {hung} still running after {timeout_s:.0f}s; "
+                           + ("\n".join(errors) if errors else ""))
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return results

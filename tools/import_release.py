@@ -25,7 +25,8 @@ import torch  # noqa: E402
 
 from megatron_iiet.cli import fail, parse_iterations  # noqa: E402
 from megatron_iiet.hf.configuration_iiet import architecture_names  # noqa: E402
-from megatron_iiet.hf.release_import import ReleaseImportError, import_release  # noqa: E402
+from megatron_iiet.errors import OperatorError  # noqa: E402
+from megatron_iiet.hf.release_import import import_release  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,7 +59,7 @@ def main(argv=None):
             dtype=DTYPES.get(args.dtype),
             max_shard_size=args.max_shard_size,
         )
-    except ReleaseImportError as err:
+    except OperatorError as err:  # a bad release folder, or an output it must not replace
         fail(err)
     print(f"wrote {out}")
     return 0

@@ -97,6 +97,7 @@ def run(args) -> int:
     from megatron.core import parallel_state as ps
 
     from megatron_iiet.data.atomic import write_bytes_atomic
+    from megatron_iiet.data.tokenizer import fingerprint_matches
     from megatron_iiet.distributed import barrier, initialize, on_rank0
     from megatron_iiet.eval.checkpoint import load_for_inference
     from megatron_iiet.iiad.kl import vocab_parallel_topk
@@ -130,7 +131,7 @@ def run(args) -> int:
         raise OperatorError(f"--checkpoint {teacher.path}: vocabulary "
                             f"{meta['architecture']['vocab_size']} vs the run's {student_vocab}")
     saved_fp = meta.get("tokenizer_fingerprint")
-    if saved_fp and saved_fp != sources.tokenizer.fingerprint:
+    if saved_fp and not fingerprint_matches(saved_fp, sources.tokenizer.fingerprint):
         raise OperatorError(f"--checkpoint {teacher.path}: trained with tokenizer {saved_fp}, "
                             f"the run's data uses {sources.tokenizer.fingerprint}")
     samples = args.samples or cfg.schedule.train_steps * cfg.parallel.global_batch_size

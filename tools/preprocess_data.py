@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-segment-cache", action="store_true",
                         help="encode every document with sentencepiece directly (same output, slower)")
     parser.add_argument("--hf-reader", action="store_true", help="read .jsonl/.txt through HF datasets too (same rows, slower start)")
+    parser.add_argument("--strip", choices=["gutenberg"], default=None,
+                        help="clean each document first: gutenberg keeps the book between Project Gutenberg's "
+                             "START / END lines (a byte-order mark is always dropped)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace output of an earlier run with other arguments or inputs edited since")
     parser.add_argument("--no-progress", action="store_true")
@@ -75,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
             shard_size=parse_count(args.shard_size), merge=args.merge, keep_shards=args.keep_shards,
             dtype=args.dtype, append_eod=not args.no_eod, batch_documents=args.batch_documents,
             segment_cache_entries=0 if args.no_segment_cache else args.segment_cache_entries, hf_reader=args.hf_reader,
-            overwrite=args.overwrite, progress=not args.no_progress,
+            strip=args.strip, overwrite=args.overwrite, progress=not args.no_progress,
         )
         summary = run_preprocess(config)
     except ValueError as error:

@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--text-key", default="text", help="field holding the text (jsonl/parquet/csv/arrow)")
     parser.add_argument("--text-unit", choices=["document", "paragraph", "line"], default="document", help="document unit of .txt files")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--strip", choices=["gutenberg"], default=None,
+                        help="clean each document first: gutenberg keeps the book between Project Gutenberg's "
+                             "START / END lines (a byte-order mark is always dropped)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer.model in --output-dir")
     return parser
 
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
         user_defined_symbols=tuple(args.user_defined_symbols), control_symbols=tuple(args.control_symbols),
         input_sentence_size=args.input_sentence_size, normalization=args.normalization,
         add_dummy_prefix=args.add_dummy_prefix, text_key=args.text_key, text_unit=args.text_unit,
-        overwrite=args.overwrite,
+        strip=args.strip, overwrite=args.overwrite,
     )
     if args.threads:
         options["threads"] = args.threads

@@ -11,6 +11,7 @@ from typing import Sequence
 
 from megatron_iiet.data import indexed_io
 from megatron_iiet.data.checksum_cache import verify_checksums_once
+from megatron_iiet.data.tokenizer import fingerprint_matches
 
 
 def _parse(spec: str | Sequence) -> list[str]:
@@ -40,14 +41,15 @@ def blend_pairs(spec: str | Sequence) -> list[tuple[str, str]]:
     return list(zip(items[0::2], items[1::2]))
 
 
-def validate_blend(spec: str | Sequence, expected_fingerprint: str | None = None, verify_checksums: bool = True,
+def validate_blend(spec: str | Sequence, expected_fingerprint: str | None = None, verify_checksums: bool | str = True,
                    vocab_size: int | None = None) -> list[tuple[float, str]]:
     """Parse and check a blend; returns [(weight, prefix), ...].
 
     `spec` is a string or list: `"0.3 data/a 0.7 data/b"`, or a single prefix (weight 1).
     `verify_checksums` compares every file with the sha256 its meta.json records (a full read the
-    first time, then remembered per file version); `vocab_size` refuses token ids >= it, found in
-    that read, or taken from the meta.json when checksums are not verified.
+    first time, then remembered per file version and sampled; "full": a full read every time);
+    `vocab_size` refuses token ids >= it, found in that read, or taken from the meta.json when
+    checksums are not verified.
     Raises ValueError with a message naming the offending entry.
     """
     pairs = blend_pairs(spec)
@@ -72,12 +74,13 @@ def validate_blend(spec: str | Sequence, expected_fingerprint: str | None = None
         fingerprint = meta["tokenizer"]["fingerprint"]
         if fingerprint_source is None:
             fingerprint_source = (fingerprint, prefix)
-        elif fingerprint != fingerprint_source[0]:
+        elif not fingerprint_matches(fingerprint, fingerprint_source[0]):
             raise ValueError(
                 f"blend dataset {prefix} was made with tokenizer {fingerprint}, but "
                 f"{fingerprint_source[1]} uses {fingerprint_source[0]}"
             )
-        token_ids = verify_checksums_once(prefix) if verify_checksums else indexed_io.TokenRange.from_meta(meta)
+        token_ids = (verify_checksums_once(prefix, full=verify_checksums == "full") if verify_checksums
+                     else indexed_io.TokenRange.from_meta(meta))
         if vocab_size is not None:
             _check_token_ids(prefix, token_ids, vocab_size)
         result.append((weight, prefix))

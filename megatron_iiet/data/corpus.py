@@ -94,3 +94,20 @@ def strip_gutenberg_boilerplate(text: str, source: str = "<text>") -> str:
         raise DataInputError(f"{source}: no '*** START OF' / '*** END OF' lines; not a Project Gutenberg text")
     body = text[start.end():end.start()]
     return body.lstrip("\r\n")
+
+
+STRIP_CHOICES = ("gutenberg",)
+
+
+def clean_text(text: str, strip: str | None = None, source: str = "<text>") -> str:
+    """What every document goes through before the tokenizer sees it: a byte-order mark at its
+    start is dropped (a file's encoding marker, not text: sentencepiece would learn it and spend
+    a token on it in every file), and ``strip="gutenberg"`` keeps only the book between Project
+    Gutenberg's START / END lines (header and licence are ~2% of a book's tokens)."""
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    if strip == "gutenberg":
+        text = strip_gutenberg_boilerplate(text, source)
+    elif strip is not None:
+        raise DataInputError(f"--strip {strip}: unknown (choose from {', '.join(STRIP_CHOICES)})")
+    return text

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +30,7 @@ import numpy as np
 
 from megatron_iiet.data.atomic import (commit_temp, remove_if_exists, remove_with_leftovers, temp_path_for,
                                        write_json_atomic, writing_to)
-from megatron_iiet.data.errors import CorruptDatasetError, TokenizerMismatchError
+from megatron_iiet.data.errors import CorruptDatasetError, DataInputError, TokenizerMismatchError
 from megatron_iiet.locks import exclusive_output
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
@@ -163,12 +164,26 @@ class IndexedDatasetWriter:
         remove_dataset(self.prefix)
 
 
-def _file_sha256(path: str | os.PathLike) -> str:
+def _file_sha256(path: str | os.PathLike, block_sums: list[int] | None = None) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while chunk := handle.read(_COPY_BYTES):
             digest.update(chunk)
+            if block_sums is not None:
+                block_sums += block_crcs(chunk)
     return digest.hexdigest()
+
+
+BLOCK_BYTES = 1 << 20
+"""Granularity of the block checksums remembered at a full verification (checksum_cache samples
+blocks against them at later starts); _COPY_BYTES is a multiple of it."""
+
+
+def block_crcs(data: bytes) -> list[int]:
+    """crc32 of each BLOCK_BYTES block of ``data`` (the last one may be shorter). crc32, not a
+    cryptographic hash: it only has to notice edits, and it must not slow the full read much."""
+    view = memoryview(data)
+    return [zlib.crc32(view[start:start + BLOCK_BYTES]) for start in range(0, len(view), BLOCK_BYTES)]
 
 
 @dataclass(frozen=True)
@@ -293,36 +308,65 @@ def verify_dataset(prefix: str | os.PathLike, check_checksums: bool = False) -> 
     return IndexInfo(prefix, dtype_name, sequences, doc_entries, tokens)
 
 
-def check_checksums_and_token_ids(prefix: str | os.PathLike) -> TokenRange:
+def check_checksums_and_token_ids(prefix: str | os.PathLike, blocks: dict | None = None) -> TokenRange:
     """Read .bin and .idx in full once: compare their sha256 with the meta.json's, and find the
-    token id range in the same pass. Raises CorruptDatasetError naming the differing file."""
+    token id range in the same pass. Raises CorruptDatasetError naming the differing file.
+    ``blocks``: filled with each file's ``block_crcs`` ({"bin": [...], "idx": [...]}) in the same
+    pass."""
     prefix = str(prefix)
     meta = read_meta(prefix)
     dtype = np.dtype(meta["dtype"])
     digest, token_ids = hashlib.sha256(), TokenRange()
+    if blocks is not None:
+        blocks.update(bin=[], idx=[])
     with open(bin_path(prefix), "rb") as handle:
         while chunk := handle.read(_COPY_BYTES):  # a multiple of every itemsize
             digest.update(chunk)
             token_ids = token_ids.including(np.frombuffer(chunk, dtype=dtype))
-    actual = {"bin_sha256": digest.hexdigest(), "idx_sha256": _file_sha256(idx_path(prefix))}
+            if blocks is not None:
+                blocks["bin"] += block_crcs(chunk)
+    actual = {"bin_sha256": digest.hexdigest(),
+              "idx_sha256": _file_sha256(idx_path(prefix), None if blocks is None else blocks["idx"])}
     for path, key in ((bin_path(prefix), "bin_sha256"), (idx_path(prefix), "idx_sha256")):
         if key in meta and actual[key] != meta[key]:
             raise CorruptDatasetError(f"{path}: checksum differs from {meta_path(prefix).name}; the file is corrupted")
     return token_ids
 
 
-def merge_datasets(prefixes: list[str], out_prefix: str | os.PathLike, extra_meta: dict | None = None) -> dict:
+def merge_datasets(prefixes: list[str], out_prefix: str | os.PathLike, extra_meta: dict | None = None, *,
+                   overwrite: bool = False) -> dict:
     """Concatenate datasets (same dtype and tokenizer) into one, streaming every section.
 
     The result is byte-identical to writing all documents into one dataset directly. Each input's
-    .bin is checked against its recorded checksum while it is copied.
+    .bin is checked against its recorded checksum while it is copied. An input is never the
+    output (the merge would replace it); an existing output is replaced only with `overwrite`.
     """
     if not prefixes:
         raise ValueError("nothing to merge")
     out_prefix = str(out_prefix)
+    for prefix in prefixes:
+        if _same_dataset(prefix, out_prefix):
+            raise DataInputError(f"{out_prefix}: is one of the inputs ({prefix}); merging into it would replace it: "
+                                 "choose another output prefix")
     with writing_to(Path(out_prefix).parent), exclusive_output(out_prefix, "another run writing this dataset",
                                                                "wait for it to finish or choose another output prefix"):
+        # Under the lock: a dataset finished meanwhile by another job counts as existing.
+        existing = [p for p in (meta_path(out_prefix), bin_path(out_prefix), idx_path(out_prefix)) if p.exists()]
+        if existing and not overwrite:
+            raise DataInputError(f"{existing[0]}: exists; pass --overwrite to replace the dataset {out_prefix}, or "
+                                 "choose another output prefix")
         return _merge_datasets(prefixes, out_prefix, extra_meta)
+
+
+def _same_dataset(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether two prefixes name one dataset: the same path once links are resolved, or a .bin
+    that is one file (a hard link, a link to the file itself)."""
+    if Path(a).resolve() == Path(b).resolve():
+        return True
+    try:
+        return os.path.samefile(bin_path(a), bin_path(b))
+    except OSError:  # one of them does not exist
+        return False
 
 
 def _merge_datasets(prefixes: list[str], out_prefix: str, extra_meta: dict | None) -> dict:

@@ -53,6 +53,9 @@ class ReaderConfig:
     # Directly read .jsonl lines come as `JsonLine`s, parsed later by `parse_json_line` (so that
     # preprocessing workers, not the reading process, pay for JSON decoding).
     defer_json: bool = False
+    # corpus.clean_text's `strip` (e.g. "gutenberg"); a leading byte-order mark always goes.
+    # Stripping needs whole documents, so it parses jsonl here (no deferred JsonLine).
+    strip: str | None = None
 
 
 class JsonLine(NamedTuple):
@@ -322,6 +325,22 @@ def iter_file_documents(input_file: InputFile, file_index: int, config: ReaderCo
 
 
 def iter_documents(files: list[InputFile], config: ReaderConfig, start_file: int = 0, start_row: int = 0) -> Iterator[Document]:
-    """All documents of all files, in order, starting at (start_file, start_row)."""
+    """All documents of all files, in order, starting at (start_file, start_row), cleaned
+    (corpus.clean_text)."""
+    from megatron_iiet.data.corpus import clean_text
+
+    if config.strip is not None and config.text_unit != "document":
+        raise DataInputError(f"--strip {config.strip} needs whole documents; it cannot be "
+                             f"combined with --text-unit {config.text_unit}")
     for index in range(start_file, len(files)):
-        yield from iter_file_documents(files[index], index, config, start_row if index == start_file else 0)
+        for document in iter_file_documents(files[index], index, config, start_row if index == start_file else 0):
+            text = document.text
+            if isinstance(text, JsonLine) and config.strip is not None:
+                text = parse_json_line(text, config.text_key)
+            if isinstance(text, str):
+                one_document = files[index].builder in ("text", WHOLE_FILE) and config.text_unit == "document"
+                where = files[index].path if one_document else \
+                    f"{files[index].path} ({record_word(files[index].builder)} {document.row + 1})"
+                text = clean_text(text, config.strip, where)
+                document = Document(document.file_index, document.row, text)
+            yield document

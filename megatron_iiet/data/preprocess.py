@@ -21,7 +21,6 @@ with the main process, even when it is killed with SIGKILL.
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import os
 import signal
@@ -42,8 +41,10 @@ from megatron_iiet.data.bpe_cache import DEFAULT_MAX_ENTRIES
 from megatron_iiet.data.errors import DataInputError, TokenizerMismatchError
 from megatron_iiet.data.inputs import (TEXT_UNITS, Document, JsonLine, ReaderConfig, inputs_signature, iter_documents,
                                        parse_json_line, record_word, resolve_inputs)
+from megatron_iiet.lifetime import signal_on_parent_death
 from megatron_iiet.locks import exclusive_output
-from megatron_iiet.data.tokenizer import Tokenizer, check_dtype_fits, smallest_token_dtype
+from megatron_iiet.data.tokenizer import (Tokenizer, check_dtype_fits, fingerprint_matches,
+                                          smallest_token_dtype)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class PreprocessConfig:
     # that cannot be guaranteed are encoded per document, said once on stderr); 0: none, silently.
     segment_cache_entries: int = DEFAULT_MAX_ENTRIES
     hf_reader: bool = False  # read .jsonl/.txt through HF datasets too (default: a direct reader)
+    strip: str | None = None  # input cleaning (corpus.clean_text), e.g. "gutenberg"
     overwrite: bool = False  # replace output of a run with different arguments
     progress: bool = True
 
@@ -95,7 +97,6 @@ _WORKER_TEXT_KEY = "text"
 WRITTEN, EMPTY, NULL = 0, 1, 2
 
 
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _PARENT_POLL_SECONDS = 1.0
 
 
@@ -108,14 +109,10 @@ def _watch_parent(parent_pid: int) -> None:
 def _exit_with_parent(parent_pid: int) -> None:
     """Make this worker die with the main process. A main process killed by SIGKILL runs no
     cleanup, so nothing else would stop its workers: they would tokenize on as orphans."""
-    if sys.platform.startswith("linux"):
-        # The kernel sends the signal when the thread that started us exits; the pool starts its
-        # workers from the submitting thread, the main one, which lives as long as the process.
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
-            if os.getppid() != parent_pid:  # it died before the prctl: no signal will come
-                os._exit(1)
-            return
+    # The pool starts its workers from the submitting thread, the main one, which lives as long
+    # as the process (megatron_iiet.lifetime).
+    if signal_on_parent_death(signal.SIGKILL, parent_pid):
+        return
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="watch-parent", daemon=True).start()
 
 
@@ -165,6 +162,7 @@ def _run_signature(config: PreprocessConfig, files, tokenizer: Tokenizer, dtype_
         "shard_size": config.shard_size,
         "dtype": dtype_name,
         "tokenizer_fingerprint": tokenizer.fingerprint,
+        **({"strip": config.strip} if config.strip else {}),  # absent: as runs recorded before
     }
 
 
@@ -210,7 +208,7 @@ def _check_output_directory(config: PreprocessConfig, tokenizer: Tokenizer, sign
         except ValueError:
             continue  # not one of ours; leave it alone
         fingerprint = meta.get("tokenizer", {}).get("fingerprint")
-        if fingerprint != tokenizer.fingerprint:
+        if not fingerprint_matches(fingerprint, tokenizer.fingerprint):
             raise TokenizerMismatchError(
                 f"{meta_file}: output directory {directory} already holds data made with another tokenizer "
                 f"({fingerprint} vs {tokenizer.fingerprint}); use another output directory"
@@ -412,7 +410,8 @@ def _run_locked(config: PreprocessConfig, started: float, tokenizer: Tokenizer, 
         prefix = shard_prefix(config.output_prefix, shard_index) if sharded else final_prefix
         return indexed_io.IndexedDatasetWriter(prefix, dtype)
 
-    reader_config = ReaderConfig(text_key=config.text_key, text_unit=config.text_unit, hf_reader=config.hf_reader, defer_json=True)
+    reader_config = ReaderConfig(text_key=config.text_key, text_unit=config.text_unit, hf_reader=config.hf_reader,
+                                 defer_json=config.strip is None, strip=config.strip)
     documents = iter_documents(files, reader_config, start_file, start_row)
     _say_if_segment_cache_off(config, tokenizer)
     engine = _OrderedTokenizer(config, dtype_name, eod_id, files)
@@ -473,7 +472,9 @@ def _run_locked(config: PreprocessConfig, started: float, tokenizer: Tokenizer, 
 
     if sharded and config.merge:
         stats = {"empty_documents": summary.empty_documents, "skipped_documents": summary.skipped_documents}
-        indexed_io.merge_datasets(outputs, final_prefix, {"run": signature, "input_end": [len(files), 0], "stats": stats})
+        # overwrite: _check_output_directory refused another run's data here, so what remains is this run's own
+        indexed_io.merge_datasets(outputs, final_prefix, {"run": signature, "input_end": [len(files), 0], "stats": stats},
+                                  overwrite=True)
         if not config.keep_shards:
             for prefix in outputs:
                 indexed_io.remove_dataset(prefix)

@@ -5,9 +5,14 @@ Special ids are explicit attributes (`bos_id`, `eos_id`, `eod_id`, `pad_id`; Non
 tokenizer has no such token). The end-of-document id is the EOS token: documents are
 concatenated as `doc EOD doc EOD ...`, the megatron GPT convention.
 
-`fingerprint` hashes the vocabulary (pieces in id order) and the special ids. It is stored next to
-every preprocessed dataset so data made with different vocabularies is never mixed; a
-sentencepiece model and the HF files exported from it share one fingerprint.
+`fingerprint` hashes the whole tokenizer: the serialized sentencepiece model proto (pieces, scores,
+merge order, normalizer, special ids) or, for an HF directory without a `tokenizer.model`, its
+serialized `tokenizer.json`, with the special ids. It is stored next to every preprocessed
+dataset and in every checkpoint so data made with different tokenizers is never mixed; a
+sentencepiece model and the HF files exported from it (which carry a copy of the model) share one
+fingerprint. Datasets and checkpoints made before recorded `legacy_fingerprint` (pieces in id
+order and special ids only: it cannot tell two merge orders apart); `fingerprint_matches` still
+accepts it for the same tokenizer.
 """
 
 from __future__ import annotations
@@ -23,6 +28,17 @@ import numpy as np
 
 from megatron_iiet.data.bpe_cache import SegmentCachedEncoder, cache_blocker, raise_if_unencodable
 from megatron_iiet.data.errors import DataInputError, TokenizerMismatchError
+
+
+# fingerprint -> legacy_fingerprint of every tokenizer loaded in this process: a recorded legacy
+# fingerprint is compared with the current one through it, so callers pass plain strings.
+_LEGACY_OF: dict[str, str] = {}
+
+
+def fingerprint_matches(recorded: str | None, current: str) -> bool:
+    """Whether ``recorded`` (from a dataset, checkpoint or index) names the tokenizer whose
+    ``fingerprint`` is ``current``: the same fingerprint, or that tokenizer's legacy one."""
+    return recorded == current or (recorded is not None and _LEGACY_OF.get(current) == recorded)
 
 
 def smallest_token_dtype(vocab_size: int) -> type[np.number]:
@@ -95,8 +111,13 @@ class Tokenizer:
         raise NotImplementedError
 
     def pieces(self) -> list[str]:
-        """Every token's string form, in id order (used for the fingerprint)."""
+        """Every token's string form, in id order (used for the legacy fingerprint)."""
         raise NotImplementedError
+
+    def _serialized(self) -> tuple[str, bytes] | None:
+        """(kind, bytes) of the whole tokenizer as saved, for the fingerprint; None when there
+        is no such form (the fingerprint is then the legacy one)."""
+        return None
 
     # -- the preprocessing fast path ---------------------------------------------------------------
     @property
@@ -109,19 +130,31 @@ class Tokenizer:
         return None
 
     # -- shared --------------------------------------------------------------------------------
+    def _special_ids(self) -> dict:
+        return {"bos": self.bos_id, "eos": self.eos_id, "eod": self.eod_id, "pad": self.pad_id,
+                "unk": self.unk_id}
+
+    @property
+    def legacy_fingerprint(self) -> str:
+        """What earlier versions recorded: the pieces in id order and the special ids."""
+        if getattr(self, "_legacy_fingerprint", None) is None:
+            payload = {"pieces": self.pieces(), **self._special_ids()}
+            blob = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+            self._legacy_fingerprint = "vocab-sha256:" + hashlib.sha256(blob).hexdigest()[:32]
+        return self._legacy_fingerprint
+
     @property
     def fingerprint(self) -> str:
         if getattr(self, "_fingerprint", None) is None:
-            payload = {
-                "pieces": self.pieces(),
-                "bos": self.bos_id,
-                "eos": self.eos_id,
-                "eod": self.eod_id,
-                "pad": self.pad_id,
-                "unk": self.unk_id,
-            }
-            blob = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-            self._fingerprint = "vocab-sha256:" + hashlib.sha256(blob).hexdigest()[:32]
+            serialized = self._serialized()
+            if serialized is None:
+                self._fingerprint = self.legacy_fingerprint
+            else:
+                kind, blob = serialized
+                digest = hashlib.sha256(json.dumps(self._special_ids()).encode("utf-8"))
+                digest.update(blob)
+                self._fingerprint = f"{kind}-sha256:" + digest.hexdigest()[:32]
+            _LEGACY_OF[self._fingerprint] = self.legacy_fingerprint
         return self._fingerprint
 
     def describe(self) -> dict:
@@ -207,6 +240,9 @@ class SentencePieceTokenizer(Tokenizer):
     def pieces(self) -> list[str]:
         return [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
 
+    def _serialized(self) -> tuple[str, bytes]:
+        return "spm", self._sp.serialized_model_proto()
+
 
 class HFTokenizer(Tokenizer):
     """A Hugging Face tokenizer directory, loaded offline with AutoTokenizer."""
@@ -242,3 +278,17 @@ class HFTokenizer(Tokenizer):
 
     def pieces(self) -> list[str]:
         return self._tok.convert_ids_to_tokens(list(range(self.vocab_size)))
+
+    def _serialized(self) -> tuple[str, bytes] | None:
+        # Our exports carry the sentencepiece model they were built from: the same fingerprint.
+        model = Path(self.path) / "tokenizer.model"
+        if model.is_file():
+            import sentencepiece
+
+            try:
+                return "spm", sentencepiece.SentencePieceProcessor(
+                    model_file=str(model)).serialized_model_proto()
+            except (OSError, RuntimeError) as error:
+                raise DataInputError(f"{model}: not a readable sentencepiece model ({error})") from None
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        return None if backend is None else ("hf", backend.to_str().encode("utf-8"))

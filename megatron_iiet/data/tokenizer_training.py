@@ -42,6 +42,7 @@ class TokenizerTrainingConfig:
     chunk_chars: int = 4096
     text_key: str = "text"
     text_unit: str = "document"
+    strip: str | None = None  # input cleaning (corpus.clean_text), e.g. "gutenberg"
     threads: int = os.cpu_count() or 1
     overwrite: bool = False  # replace an existing tokenizer.model (data made with it no longer matches)
 
@@ -68,7 +69,7 @@ def _chunks(text: str, limit: int) -> Iterator[str]:
 
 def _sentences(config: TokenizerTrainingConfig) -> Iterator[str]:
     files = resolve_inputs(list(config.inputs))
-    reader = ReaderConfig(text_key=config.text_key, text_unit=config.text_unit)
+    reader = ReaderConfig(text_key=config.text_key, text_unit=config.text_unit, strip=config.strip)
     for document in iter_documents(files, reader):
         if document.text:
             yield from _chunks(document.text, config.chunk_chars)

@@ -5,6 +5,10 @@ Enabled by ``eval.tasks`` (and ``eval.tasks_interval``, ``eval.tasks_limit``, ..
 metrics.jsonl as ``{"kind": "tasks", "step": N, "piqa/acc": ...}`` and to TensorBoard under
 ``tasks/<task>/<metric>``. The random-number state of every rank is restored afterwards, so a
 run with task evaluation trains exactly as one without it.
+
+A preemption signal that arrives while tasks are scored cuts the evaluation short at the next
+batch (no `tasks` record for that step) and the run saves that step and stops, well inside the
+launcher's grace period.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ class TaskEvaluationCallback(Callback):
     """Score ``tasks`` (resolved names) every ``section.tasks_interval`` steps (0: only at the
     end) and at the end of a run that reaches the end of its schedule."""
 
-    def __init__(self, section, tasks: list[str], tokenizer, max_length: int):
+    def __init__(self, section, tasks: list[str], tokenizer, max_length: int, preemption=None):
         self.section = section
+        self.preemption = preemption
         self.tasks = tasks
         self.tokenizer = tokenizer
         self.max_length = max_length
@@ -34,7 +39,9 @@ class TaskEvaluationCallback(Callback):
         # Every rank builds it now (it creates a process group: a collective).
         self.scorer = ParallelScorer(trainer.engine.model, self.section.tasks_batch_size,
                                      self.max_length, decode=self.tokenizer.decode,
-                                     progress=False)
+                                     progress=False,
+                                     interrupted=self.preemption and self.preemption.stop_requested,
+                                     raising=self.preemption and self.preemption.raising)
 
     def on_step_end(self, trainer, event):
         interval = self.section.tasks_interval
@@ -48,6 +55,8 @@ class TaskEvaluationCallback(Callback):
     def _evaluate(self, trainer, step: int) -> None:
         from megatron_iiet.eval.harness import flat_metrics, run_tasks
         from megatron_iiet.eval.native_lm import IIETMegatronLM
+        from megatron_iiet.eval.scoring import EvaluationInterrupted
+        from megatron_iiet.training.callbacks import stop_for_preemption
         from megatron_iiet.training.engines import rng_state, set_rng_state
 
         limit = self.section.tasks_limit
@@ -59,6 +68,9 @@ class TaskEvaluationCallback(Callback):
             lm = IIETMegatronLM(scorer=self.scorer, tokenizer_object=self.tokenizer)
             results = self.scorer.drive(lambda: run_tasks(
                 lm, self.tasks, limit, self.section.tasks_data_dir, bootstrap_iters=0))
+        except EvaluationInterrupted as cut:
+            stop_for_preemption(trainer, self.preemption, step, f"task evaluation ({cut})")
+            return
         finally:
             trainer.engine.train(True)
             set_rng_state(saved)

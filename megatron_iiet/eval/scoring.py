@@ -24,6 +24,7 @@ cache): exact, since attention is causal, and quadratic in the generated length.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -32,8 +33,18 @@ import torch.distributed as dist
 from megatron_iiet.errors import ReportedByRank0
 
 STOP = "stop"
+INTERRUPTED = "interrupted"
 Request = tuple[list[int], int]
 """Tokens (context + continuation, already truncated) and how many trailing ones are scored."""
+
+
+class EvaluationInterrupted(Exception):
+    """A preemption cut the evaluation short; ``everywhere``: raised on every rank at once (at
+    the same batch), else on the driver alone, which then tells the serving ranks."""
+
+    def __init__(self, message: str, everywhere: bool = False):
+        super().__init__(message)
+        self.everywhere = everywhere
 
 
 class ParallelScorer:
@@ -41,10 +52,16 @@ class ParallelScorer:
 
     ``decode(ids) -> str`` (the tokenizer's) is needed on every rank for generation, whose stop
     strings every rank of a replica must check alike.
+
+    An in-loop evaluation gives way to the save a preemption signal asks for: ``interrupted()``,
+    a collective that agrees on every rank (the trainer's preemption check), is asked before
+    each batch, and ``raising(exc_type)`` (PreemptionHandler.raising) makes a signal raise at
+    once while the driver works alone (lm-eval building requests, computing metrics).
     """
 
     def __init__(self, model: torch.nn.Module, batch_size: int, max_length: int,
-                 decode: Optional[Callable[[list[int]], str]] = None, progress: bool = True):
+                 decode: Optional[Callable[[list[int]], str]] = None, progress: bool = True,
+                 interrupted: Optional[Callable[[], bool]] = None, raising=None):
         from megatron.core import parallel_state as ps
 
         if batch_size < 1:
@@ -54,6 +71,8 @@ class ParallelScorer:
         self.max_length = max_length
         self.decode = decode
         self.progress = progress
+        self.interrupted = interrupted
+        self.raising = raising or (lambda exc_type: contextlib.nullcontext())
         self.rank = dist.get_rank()
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp = ps.get_data_parallel_world_size()
@@ -81,7 +100,12 @@ class ParallelScorer:
             self.serve()
             return None
         try:
-            result = work()
+            with self.raising(EvaluationInterrupted):
+                result = work()
+        except EvaluationInterrupted as err:
+            if not err.everywhere:  # the serving ranks wait for the next request
+                self._broadcast((INTERRUPTED, str(err), None))
+            raise
         except BaseException as err:
             self._broadcast((STOP, f"{type(err).__name__}: {err}".splitlines()[0], None))
             raise
@@ -91,6 +115,8 @@ class ParallelScorer:
     def serve(self) -> None:
         while True:
             op, payload, batch_size = self._broadcast(None)
+            if op == INTERRUPTED:
+                raise EvaluationInterrupted(payload, everywhere=True)
             if op == STOP:
                 if payload is not None:
                     raise ReportedByRank0(f"rank 0 stopped the evaluation: {payload}")
@@ -106,18 +132,30 @@ class ParallelScorer:
         if self.rank != 0:
             raise RuntimeError("only rank 0 drives the scorer; other ranks serve()")
         # The driver's batch size travels with the work: every rank of a replica must cut the
-        # same batches, or their collectives would not match.
-        self._broadcast((op, payload, self.batch_size))
-        return self._execute(op, payload, self.batch_size)
+        # same batches, or their collectives would not match. No signal may raise in there.
+        with self.raising(None):
+            self._broadcast((op, payload, self.batch_size))
+            return self._execute(op, payload, self.batch_size)
 
     # ------------------------------------------------------------------------------ every rank
     def _execute(self, op: str, payload, batch_size: int):
         items = payload if op == "score" else payload[0]
         lengths = [len(item[0]) if op == "score" else len(item) for item in items]
-        mine = length_sorted_batches(lengths, batch_size)[self.dp_rank::self.dp]
+        batches = length_sorted_batches(lengths, batch_size)
+        mine = batches[self.dp_rank::self.dp]
         bar = progress_bar(len(items), op) if self.rank == 0 and self.progress else None
         done: dict[int, object] = {}
-        for indices in mine:
+        # Every rank takes as many turns as the busiest replica, so that the interruption
+        # check, a collective, is asked as often everywhere.
+        for turn in range(-(-len(batches) // self.dp)):
+            if self.interrupted is not None and self.interrupted():
+                if bar is not None:
+                    bar.close()
+                raise EvaluationInterrupted(f"{op} stopped after {turn} of its batches",
+                                            everywhere=True)
+            if turn >= len(mine):
+                continue
+            indices = mine[turn]
             if op == "score":
                 out = self._score_batch([items[i] for i in indices])
             else:

@@ -8,8 +8,9 @@ directions in megatron_to_hf.py and hf_to_megatron.py.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Iterable, Mapping, Optional
 
 import torch
 
@@ -21,6 +22,12 @@ from megatron_iiet.training.checkpoint_index import (LATEST, META, CheckpointErr
 # dist_checkpointing's own marker file: tells a megatron checkpoint from any other folder.
 DIST_CKPT_MARKER = "metadata.json"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Largest |weight| a conversion passes on by default (--max-abs-weight): trained weights stay
+# orders of magnitude below (|w| < 10 in the usual models; norm gains and outlier rows reach a
+# few hundred), so a larger value is damage or divergence, and 1e4 still fits bf16 and fp16.
+DEFAULT_MAX_ABS_WEIGHT = 1e4
+# Written into every output of a conversion; --force replaces only a folder holding it.
+EXPORT_MARKER = ".megatron_iiet_export.json"
 
 
 class ConversionError(OperatorError, ValueError):
@@ -33,9 +40,54 @@ def dtype_named(option: str, name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def check_destination(dst: Path, force: bool) -> None:
-    if dst.exists() and not force:
+def check_destination(dst: Path, force: bool, sources: Iterable = ()) -> None:
+    """Refuse an output that would destroy something: one that is, holds or lies inside a
+    source (whatever the flags: replacing it would delete the source, or a run folder around
+    it), an existing one without `force`, and, even with `force`, anything but an earlier
+    export left as the converter wrote it (its EXPORT_MARKER lists what it wrote) or an empty
+    folder. Run before the work starts and again just before the rename."""
+    dst = Path(dst)
+    target = dst.resolve()
+    for src in sources:
+        source = Path(src).resolve()
+        relation = ("is" if target == source else "contains" if target in source.parents
+                    else "lies inside" if source in target.parents else None)
+        if relation:
+            raise ConversionError(f"{dst}: the output {relation} the source {src}; choose an "
+                                  "output outside it (nothing was written)")
+    if not dst.exists() and not dst.is_symlink():
+        return
+    if not force:
         raise ConversionError(f"{dst} exists; pass --force to replace it")
+    if not dst.is_dir():
+        raise ConversionError(f"{dst}: not a folder, so not an earlier export; --force replaces "
+                              "only those (remove it yourself or choose another output)")
+    present = {p.name for p in dst.iterdir()}
+    if not present:
+        return
+    marker = dst / EXPORT_MARKER
+    try:
+        written = json.loads(marker.read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ConversionError(f"{dst}: not an earlier export of this converter (no readable "
+                              f"{EXPORT_MARKER}); --force replaces only those (remove it yourself "
+                              "or choose another output)") from None
+    # A training run pointed at an imported root adds iter_* folders, an operator adds notes:
+    # those are not the converter's to delete.
+    added = sorted(present - set(written) - {EXPORT_MARKER})
+    if added:
+        raise ConversionError(f"{dst}: holds {', '.join(added[:3])}"
+                              f"{' ...' if len(added) > 3 else ''} that the export did not write; "
+                              "--force replaces only an export as written (move them first)")
+
+
+def mark_export(folder: Path, kind: str, sources: Iterable = ()) -> None:
+    """Record in `folder` that the converter wrote it, and what: check_destination lets --force
+    replace such a folder, and nothing else."""
+    record = {"written_by": "megatron_iiet conversion", "kind": kind,
+              "sources": [str(Path(s).resolve()) for s in sources],
+              "files": sorted(p.name for p in Path(folder).iterdir())}
+    (Path(folder) / EXPORT_MARKER).write_text(json.dumps(record, indent=2) + "\n")
 
 
 # ==============================================================================================
@@ -96,12 +148,9 @@ def check_shards_present(ckpt: Path) -> None:
     if not (ckpt / DIST_CKPT_MARKER).is_file() or not (ckpt / ".metadata").is_file():
         raise ConversionError(f"{ckpt}: no dist_checkpointing files ({DIST_CKPT_MARKER}, "
                               ".metadata): the model tensors are missing")
-    from torch.distributed.checkpoint import FileSystemReader
+    from megatron_iiet.safe_pickle import read_dcp_metadata
 
-    try:
-        metadata = FileSystemReader(str(ckpt)).read_metadata()
-    except Exception as err:  # a truncated or foreign .metadata
-        raise ConversionError(f"{ckpt / '.metadata'}: unreadable ({err})") from err
+    metadata = read_dcp_metadata(ckpt)  # torch's own reader would run code a planted file names
     files = sorted({info.relative_path for info in metadata.storage_data.values()})
     missing = [f for f in files if not (ckpt / f).is_file()]
     if missing:
@@ -134,45 +183,72 @@ def _all_finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(total)) or bool(torch.isfinite(tensor).all())
 
 
-def _fits(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether finite `tensor` stays finite cast to `dtype` (casting is monotonic: it does iff
-    its smallest and largest values do)."""
-    if torch.finfo(dtype).max >= torch.finfo(tensor.dtype).max or tensor.numel() == 0:
+def _fits(lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether finite values between `lo` and `hi` stay finite cast to `dtype` (casting is
+    monotonic: they do iff the smallest and largest do)."""
+    if torch.finfo(dtype).max >= torch.finfo(lo.dtype).max:
         return True
-    return bool(torch.isfinite(torch.stack(torch.aminmax(tensor)).to(dtype)).all())
+    return bool(torch.isfinite(torch.stack((lo, hi)).to(dtype)).all())
+
+
+def _largest_finite_magnitude(tensor: torch.Tensor) -> float:
+    """max |value| over the finite values (NaN/Inf let through by --allow-nonfinite are the
+    finiteness check's business, not the bound's)."""
+    finite = tensor[torch.isfinite(tensor)]
+    return float(finite.abs().max()) if finite.numel() else 0.0
 
 
 def refuse_nonfinite(tensors: Mapping[str, torch.Tensor], source, allow: bool,
-                     cast_to: Optional[torch.dtype] = None) -> None:
+                     cast_to: Optional[torch.dtype] = None,
+                     max_abs: Optional[float] = None) -> None:
     """Refuse NaN/Inf weights (a diverged run, a damaged file) unless `allow`: converting them
     would only hand the problem to whoever loads the output. With `cast_to`, values the cast
-    would turn into Inf (beyond fp16's range, say) are refused too. Cheap: one or two
-    reductions per tensor; counting (for the message) happens only for the bad ones."""
-    if allow:
-        return
-    bad = []  # (tensor name, what is wrong with it), in the source's order
+    would turn into Inf (beyond fp16's range, say) are refused too. With `max_abs`, finite
+    values larger in magnitude are refused whatever `allow` says (3e30 in a weight is damage
+    or divergence, and would overflow the first matmul of any dtype). Cheap: a sum and a
+    min/max per tensor; counting (for the message) happens only for the bad ones."""
+    nonfinite = []  # (tensor name, what is wrong with it), in the source's order
+    too_large = []  # (tensor name, largest magnitude)
     for name, tensor in tensors.items():
-        if not tensor.is_floating_point():
+        if not tensor.is_floating_point() or tensor.numel() == 0:
             continue
-        if not _all_finite(tensor):
-            nan = int(torch.isnan(tensor).sum())
-            inf = int(torch.isinf(tensor).sum())
-            bad.append((name, f"{nan} NaN and {inf} Inf of {tensor.numel()} values"))
-        elif cast_to is not None and not _fits(tensor, cast_to):
+        finite = _all_finite(tensor)
+        if not finite:
+            if not allow:
+                nan = int(torch.isnan(tensor).sum())
+                inf = int(torch.isinf(tensor).sum())
+                nonfinite.append((name, f"{nan} NaN and {inf} Inf of {tensor.numel()} values"))
+            elif max_abs is not None and _largest_finite_magnitude(tensor) > max_abs:
+                too_large.append((name, _largest_finite_magnitude(tensor)))
+            continue
+        if max_abs is None and (allow or cast_to is None):
+            continue
+        lo, hi = torch.aminmax(tensor)
+        if max_abs is not None and max(-float(lo), float(hi)) > max_abs:
+            too_large.append((name, max(-float(lo), float(hi))))
+        if not allow and cast_to is not None and not _fits(lo, hi, cast_to):
             overflow = int((~torch.isfinite(tensor.to(cast_to))).sum())
-            bad.append((name, f"{overflow} of {tensor.numel()} values would become Inf in "
-                              f"{_dtype_name(cast_to)}"))
-    if bad:
-        first, what = bad[0]
-        raise ConversionError(f"{source}: {len(bad)} of {len(tensors)} tensors are not finite "
-                              f"(first: {first}, {what}); pass --allow-nonfinite to convert them "
-                              "anyway")
+            nonfinite.append((name, f"{overflow} of {tensor.numel()} values would become Inf "
+                                    f"in {_dtype_name(cast_to)}"))
+    if nonfinite:
+        first, what = nonfinite[0]
+        raise ConversionError(f"{source}: {len(nonfinite)} of {len(tensors)} tensors are not "
+                              f"finite (first: {first}, {what}); pass --allow-nonfinite to "
+                              "convert them anyway")
+    if too_large:
+        first, largest = too_large[0]
+        raise ConversionError(f"{source}: {len(too_large)} of {len(tensors)} tensors hold values "
+                              f"beyond the bound {max_abs:g} (first: {first}, |value| up to "
+                              f"{largest:.3g}): damaged or diverged weights; pass "
+                              "--max-abs-weight N to convert values up to N")
 
 
 __all__ = [
     "ConversionError",
+    "DEFAULT_MAX_ABS_WEIGHT",
     "DIST_CKPT_MARKER",
     "DTYPES",
+    "EXPORT_MARKER",
     "LATEST",
     "META",
     "check_destination",
@@ -180,6 +256,7 @@ __all__ = [
     "check_shards_present",
     "dtype_named",
     "find_checkpoint",
+    "mark_export",
     "read_checkpoint_meta",
     "read_latest_pointer",
     "refuse_nonfinite",

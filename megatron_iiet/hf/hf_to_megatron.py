@@ -17,8 +17,8 @@ from typing import Optional
 import torch
 
 from . import release_import as rel
-from .checks import (LATEST, META, ConversionError, check_destination, dtype_named,
-                     refuse_nonfinite)
+from .checks import (DEFAULT_MAX_ABS_WEIGHT, LATEST, META, ConversionError, check_destination,
+                     dtype_named, refuse_nonfinite)
 from .configuration_iiet import IIETConfig
 from .mapping import hf_to_megatron_tensors, train_config_for_hf
 from .megatron_model import (Progress, one_process_group, quiet, single_process_model_config,
@@ -66,9 +66,11 @@ def read_hf_folder(src: Path, iterations=None, architecture: Optional[str] = Non
 def import_from_hf(src, dst, tp: int = 1, pp: int = 1, precision: str = "fp32",
                    iterations=None, force: bool = False,
                    expect_architecture: Optional[str] = None, allow_nonfinite: bool = False,
-                   progress: Progress = quiet) -> ImportSummary:
+                   progress: Progress = quiet,
+                   max_abs_weight: Optional[float] = DEFAULT_MAX_ABS_WEIGHT) -> ImportSummary:
     """Write a model-only megatron checkpoint root `dst` (latest + iter_0000000) for `src`.
-    NaN/Inf weights (or weights `precision` cannot hold) are refused unless `allow_nonfinite`."""
+    NaN/Inf weights (or weights `precision` cannot hold) are refused unless `allow_nonfinite`,
+    weights beyond +-`max_abs_weight` always (None: no bound)."""
     from megatron_iiet.training.config import padded_vocab_size  # cheap: no megatron import
 
     start = time.perf_counter()
@@ -78,11 +80,11 @@ def import_from_hf(src, dst, tp: int = 1, pp: int = 1, precision: str = "fp32",
         raise ConversionError(f"layout: TP and PP must be >= 1, got TP={tp} PP={pp}")
     hf_config, hf = read_hf_folder(src, iterations, expect_architecture)
     # The mapping only moves values (and pads with zeros): checking the HF tensors covers it.
-    refuse_nonfinite(hf, src, allow_nonfinite, cast_to=torch_dtype)
+    refuse_nonfinite(hf, src, allow_nonfinite, cast_to=torch_dtype, max_abs=max_abs_weight)
     if expect_architecture is not None and hf_config.architecture != expect_architecture:
         raise ConversionError(f"{src}: holds a {hf_config.architecture} model, expected "
                               f"{expect_architecture}")
-    check_destination(dst, force)
+    check_destination(dst, force, sources=(src,))
     if hf_config.num_hidden_layers % pp:
         raise ConversionError(f"layout: PP={pp} does not divide the "
                               f"{hf_config.num_hidden_layers} layers")
@@ -141,7 +143,7 @@ def import_from_hf(src, dst, tp: int = 1, pp: int = 1, precision: str = "fp32",
 
     progress(f"writing the dist checkpoint with TP={tp} PP={pp} ({tp * pp} ranks)")
     if _inside_job_of_layout(tp, pp):
-        _write_in_this_job(dst, force, write_full_state, finish)
+        _write_in_this_job(dst, force, write_full_state, finish, src)
     else:
         def fill(root: Path):
             kwargs = write_full_state(root)
@@ -154,7 +156,7 @@ def import_from_hf(src, dst, tp: int = 1, pp: int = 1, precision: str = "fp32",
                 spawn_local(write_rank_shard, tp * pp, tp, pp, timeout_s=3600.0, **kwargs)
             finish(root)
 
-        write_atomically(dst, force, fill)
+        write_atomically(dst, force, fill, sources=(src,), kind="megatron")
     return ImportSummary(str(dst), str(dst / name), hf_config.architecture,
                          {"tensor": tp, "pipeline": pp}, vocab, precision, tokenizer_path,
                          time.perf_counter() - start)
@@ -177,7 +179,7 @@ def _inside_job_of_layout(tp: int, pp: int) -> bool:
     return True
 
 
-def _write_in_this_job(dst: Path, force: bool, write_full_state, finish) -> None:
+def _write_in_this_job(dst: Path, force: bool, write_full_state, finish, src: Path) -> None:
     """Rank 0 prepares and finalises a temp folder; every rank writes its shard into it."""
     import torch.distributed as dist
 
@@ -205,7 +207,7 @@ def _write_in_this_job(dst: Path, force: bool, write_full_state, finish) -> None
                 for item in tmp.iterdir():
                     os.replace(item, folder / item.name)
 
-            write_atomically(dst, force, move_into)
+            write_atomically(dst, force, move_into, sources=(src,), kind="megatron")
     finally:
         dist.barrier()
         if rank0:

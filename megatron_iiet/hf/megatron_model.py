@@ -114,6 +114,9 @@ def load_model_tensors(model, ckpt: Path) -> None:
     """This rank's share of a checkpoint's model tensors, resharded to the model's layout."""
     from megatron.core import dist_checkpointing
 
+    from megatron_iiet.training.checkpointing import verify_for_load
+
+    verify_for_load(ckpt)
     try:
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt))
     except Exception as err:  # megatron's errors are long; keep the cause, name the folder

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .checks import (META, ConversionError, check_destination, check_expected_architecture,
-                     check_shards_present, dtype_named, find_checkpoint, read_checkpoint_meta,
-                     refuse_nonfinite)
+from .checks import (DEFAULT_MAX_ABS_WEIGHT, META, ConversionError, check_destination,
+                     check_expected_architecture, check_shards_present, dtype_named,
+                     find_checkpoint, read_checkpoint_meta, refuse_nonfinite)
 from .mapping import hf_config_for, megatron_to_hf_tensors
 from .megatron_model import Progress, load_megatron_checkpoint, quiet
 from .release_import import TOKENIZER_FILES, assemble_model, check_tensors, write_atomically
@@ -61,7 +61,7 @@ def tokenizer_candidates(path: str, meta: dict, ckpt: Path) -> list[Path]:
 
 def resolve_tokenizer(meta: dict, override: Optional[str], ckpt: Path):
     """The checkpoint's tokenizer (or `override`), checked against the saved fingerprint."""
-    from megatron_iiet.data.tokenizer import Tokenizer
+    from megatron_iiet.data.tokenizer import Tokenizer, fingerprint_matches
 
     path = override or meta.get("tokenizer") or meta["config"].get("data", {}).get("tokenizer")
     if not path:
@@ -81,7 +81,7 @@ def resolve_tokenizer(meta: dict, override: Optional[str], ckpt: Path):
             tokenizer = Tokenizer.from_path(candidate)
         except ValueError as err:
             raise ConversionError(f"tokenizer {candidate}: {err}") from err
-        if not saved or tokenizer.fingerprint == saved:
+        if not saved or fingerprint_matches(saved, tokenizer.fingerprint):
             return tokenizer
         first = first or tokenizer  # a folder further up may hold the right one
     raise ConversionError(f"tokenizer {first.path} ({first.fingerprint}) is not the one the "
@@ -114,19 +114,26 @@ def _model_card(summary_fields: dict, hf_config, meta: dict, with_tokenizer: boo
 
 
 def _usage(with_tokenizer: bool) -> str:
-    """The card's snippet (`folder`: this folder's path). trust_remote_code=True on both loads:
-    config.json maps to the folder's own code, so without it AutoTokenizer, which reads the
-    config too, would stop at transformers' interactive "run the custom code?" prompt."""
-    if not with_tokenizer:
-        return ("## Usage\n\n```python\nfrom transformers import AutoModelForCausalLM\n"
-                "model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)\n"
-                "```\n\nExported without a tokenizer.\n\n")
-    return ("## Usage\n\n`folder` is the path of this folder.\n\n```python\n"
-            "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-            "model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)\n"
-            "tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)\n"
-            "ids = tokenizer(\"def main():\", return_tensors=\"pt\").input_ids\n"
-            "print(tokenizer.decode(model.generate(ids, max_new_tokens=20)[0]))\n```\n\n")
+    """The card's snippet (`folder`: this folder's path). Importing megatron_iiet.hf registers
+    the IIET classes with the Auto classes, so both loads use the installed package's code and
+    nothing from the folder runs (nor does transformers ask: the prompt concerns remote code
+    only). Without the package, trust_remote_code=True is the only way in, and it runs the
+    folder's .py files: the card says so rather than putting that in the snippet."""
+    loads = ("model = AutoModelForCausalLM.from_pretrained(folder)\n"
+             + ("tokenizer = AutoTokenizer.from_pretrained(folder)\n"
+                "ids = tokenizer(\"def main():\", return_tensors=\"pt\").input_ids\n"
+                "print(tokenizer.decode(model.generate(ids, max_new_tokens=20)[0]))\n"
+                if with_tokenizer else ""))
+    imports = "AutoModelForCausalLM, AutoTokenizer" if with_tokenizer else "AutoModelForCausalLM"
+    return ("## Usage\n\n`folder` is the path of this folder; `megatron_iiet` must be installed.\n\n"
+            "```python\nimport megatron_iiet.hf  # registers the IIET classes with transformers\n"
+            f"from transformers import {imports}\n\n{loads}```\n\n"
+            + ("" if with_tokenizer else "Exported without a tokenizer.\n\n")
+            + "Without `megatron_iiet`, pass `trust_remote_code=True` to "
+            + ("both calls" if with_tokenizer else "the call")
+            + ": transformers then imports and runs this folder's own `configuration_iiet.py`, "
+              "`modeling_iiet.py` and `cache_iiet.py` (the same code as the package's, unless "
+              "someone changed them: read them before you trust a copy of this folder).\n\n")
 
 
 def _write_tokenizer(tokenizer, folder: Path) -> None:
@@ -142,13 +149,15 @@ def _write_tokenizer(tokenizer, folder: Path) -> None:
 
 
 def build_hf_model(ckpt: Path, meta: dict, tok, torch_dtype, trim_vocab: bool = False,
-                   allow_nonfinite: bool = False, progress: Progress = quiet):
+                   allow_nonfinite: bool = False, progress: Progress = quiet,
+                   max_abs_weight: Optional[float] = None):
     """(HF model in eval mode, its config, the TP=1/PP=1 megatron model config) of the
     checkpoint ``ckpt``, in memory: what ``export_to_hf`` writes, and what the evaluation's
-    one-process runner scores with. ``torch_dtype`` None keeps the checkpoint's own dtype."""
+    one-process runner scores with. ``torch_dtype`` None keeps the checkpoint's own dtype;
+    ``max_abs_weight`` bounds the weights' magnitude (checks.refuse_nonfinite)."""
     progress(f"reading {ckpt} (layout {meta.get('layout')}, engine {meta.get('engine')})")
     model_cfg, meg = load_megatron_checkpoint(ckpt, meta)
-    refuse_nonfinite(meg, ckpt, allow_nonfinite, cast_to=torch_dtype)
+    refuse_nonfinite(meg, ckpt, allow_nonfinite, cast_to=torch_dtype, max_abs=max_abs_weight)
     progress(f"loaded {len(meg)} tensors into one TP=1/PP=1 {model_cfg.architecture} model")
     hf = megatron_to_hf_tensors(meg, model_cfg)
     del meg
@@ -167,9 +176,12 @@ def export_to_hf(src, dst, dtype: str = "fp32", trim_vocab: bool = False,
                  max_shard_size: str = "2GB", force: bool = False,
                  expect_architecture: Optional[str] = None, tokenizer: Optional[str] = None,
                  with_tokenizer: bool = True, allow_nonfinite: bool = False,
-                 progress: Progress = quiet) -> ExportSummary:
+                 progress: Progress = quiet,
+                 max_abs_weight: Optional[float] = DEFAULT_MAX_ABS_WEIGHT) -> ExportSummary:
     """Write the HF folder `dst` for the megatron checkpoint `src` (root or iter_* dir).
-    NaN/Inf weights (or weights `dtype` cannot hold) are refused unless `allow_nonfinite`."""
+    NaN/Inf weights (or weights `dtype` cannot hold) are refused unless `allow_nonfinite`,
+    weights beyond +-`max_abs_weight` always (None: no bound). `dst` may be neither the source
+    nor around or inside it; `force` replaces only an earlier export."""
     start = time.perf_counter()
     dst = Path(dst)
     torch_dtype = dtype_named("dtype", dtype)
@@ -177,12 +189,12 @@ def export_to_hf(src, dst, dtype: str = "fp32", trim_vocab: bool = False,
     meta = read_checkpoint_meta(ckpt)
     check_expected_architecture(meta, expect_architecture, ckpt)
     check_shards_present(ckpt)
-    check_destination(dst, force)
+    check_destination(dst, force, sources=(src, ckpt))
     tok = resolve_tokenizer(meta, tokenizer, ckpt) if with_tokenizer else None
     if trim_vocab and tok is None:
         raise ConversionError("--trim-vocab needs the tokenizer (its vocabulary size)")
     model, hf_config, model_cfg = build_hf_model(ckpt, meta, tok, torch_dtype, trim_vocab,
-                                                 allow_nonfinite, progress)
+                                                 allow_nonfinite, progress, max_abs_weight)
     vocab = hf_config.vocab_size
     parameters = sum(p.numel() for p in model.parameters())
     progress(f"writing {dst} ({parameters / 1e6:.1f}M parameters, {dtype})")
@@ -199,7 +211,7 @@ def export_to_hf(src, dst, dtype: str = "fp32", trim_vocab: bool = False,
         card = _model_card({"source": str(ckpt), "dtype": dtype}, hf_config, meta, tok is not None)
         (folder / "README.md").write_text(card)
 
-    write_atomically(dst, force, fill)
+    write_atomically(dst, force, fill, sources=(src, ckpt))
     files = sorted(p.name for p in dst.glob("*.safetensors"))
     return ExportSummary(str(dst), str(ckpt), model_cfg.architecture, meta.get("step"),
                          meta.get("layout", {}), parameters, vocab, dtype, files,

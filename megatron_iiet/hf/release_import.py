@@ -288,22 +288,30 @@ def assemble_model(tensors: dict[str, torch.Tensor], config: IIETConfig, dtype=N
 # ----------------------------------------------------------------------------------------------
 # Writing
 # ----------------------------------------------------------------------------------------------
-def write_atomically(dst: Path, force: bool, fill) -> Path:
-    """Fill a temp dir next to dst, then rename it into place; never leave a half-written dst."""
+def write_atomically(dst: Path, force: bool, fill, sources=(), kind: str = "hf") -> Path:
+    """Fill a temp dir next to dst, then rename it into place; never leave a half-written dst.
+    What may be replaced is checks.check_destination's rule (never a source or a folder around
+    one; with `force`, only an earlier export), checked again just before the rename: the old
+    folder may have changed during a long conversion. The output is marked as an export
+    (checks.mark_export) and its files get the mode a plain write gives them."""
+    from .checks import check_destination, mark_export
+
     dst = Path(dst)
-    if dst.exists() and not force:
-        raise ReleaseImportError(f"{dst} exists; pass --force (force=True) to replace it")
+    check_destination(dst, force, sources)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
         fill(tmp)
-        if dst.exists():
+        give_plain_file_modes(tmp)
+        mark_export(tmp, kind, sources)
+        check_destination(dst, force, sources)
+        if dst.exists() or dst.is_symlink():
             old = dst.parent / f".{dst.name}.old-{os.getpid()}"
             os.replace(dst, old)
             os.replace(tmp, dst)
-            if old.is_dir():
+            if old.is_dir() and not old.is_symlink():
                 shutil.rmtree(old)
             else:
                 old.unlink()
@@ -312,6 +320,28 @@ def write_atomically(dst: Path, force: bool, fill) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dst
+
+
+def _umask() -> int:
+    try:  # Linux states it; os.umask can only read it by setting it (racy with threads)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def give_plain_file_modes(folder: Path) -> None:
+    """safetensors writes its files 0600 (a private temp file renamed), copy2 keeps a source's
+    mode: give every file of `folder` the mode open() would, 0666 less the umask, so an export
+    is readable by whoever may read the rest of it."""
+    mode = 0o666 & ~_umask()
+    for path in Path(folder).rglob("*"):
+        if path.is_file() and not path.is_symlink() and (path.stat().st_mode & 0o7777) != mode:
+            os.chmod(path, mode)
 
 
 def import_release(src, dst, iterations=None, force=False, dtype=None, max_shard_size="5GB",
@@ -332,7 +362,7 @@ def import_release(src, dst, iterations=None, force=False, dtype=None, max_shard
             if (src / name).is_file():
                 shutil.copy2(src / name, folder / name)
 
-    return write_atomically(Path(dst), force, fill)
+    return write_atomically(Path(dst), force, fill, sources=(src,))
 
 
 __all__ = [

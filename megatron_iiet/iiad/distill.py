@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from megatron_iiet.data.tokenizer import fingerprint_matches
 from megatron_iiet.errors import BadInput
 from megatron_iiet.iiad.kl import masked_token_mean, topk_kl, vocab_parallel_kl
 from megatron_iiet.training.callbacks import Callback
@@ -193,7 +194,7 @@ def load_live_teacher(index: int, section, model_config,
         raise BadInput(f"{where}: {path} has a vocabulary of {arch.get('vocab_size')} (padded), "
                        f"the student {model_config.vocab_size}: another tokenizer")
     saved = meta.get("tokenizer_fingerprint")
-    if saved and tokenizer_fingerprint and saved != tokenizer_fingerprint:
+    if saved and tokenizer_fingerprint and not fingerprint_matches(saved, tokenizer_fingerprint):
         raise BadInput(f"{where}: {path} was trained with tokenizer {saved}, the student's data "
                        f"uses {tokenizer_fingerprint}")
     try:

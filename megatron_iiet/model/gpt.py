@@ -13,6 +13,7 @@ from megatron.core.models.common.language_module.language_module import Language
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_iiet.errors import BadInput
 from megatron_iiet.model.config import IIETTransformerConfig
 from megatron_iiet.model.stack import ODEStack
 
@@ -45,7 +46,7 @@ class IIETGPTModel(LanguageModule):
         self.model_type = ModelType.encoder_or_decoder
         tp = parallel_state.get_tensor_model_parallel_world_size()
         if config.vocab_size % tp != 0:
-            raise ValueError(
+            raise BadInput(
                 f"vocab_size: {config.vocab_size} is not divisible by the tensor-parallel size {tp}"
                 " (pad the vocabulary)"
             )

@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-
 
 @dataclass
 class SizeSpec:
@@ -137,13 +135,9 @@ class SweepPlan:
 
 def load_sweep(path: str | Path) -> SweepSpec:
     from megatron_iiet.model.architectures import architecture_names
-    from megatron_iiet.training.config import _build
+    from megatron_iiet.training.config import _build, read_yaml_mapping
 
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"sweep: {path} does not exist")
-    tree = yaml.safe_load(p.read_text()) or {}
-    spec = _build(SweepSpec, tree, "")
+    spec = _build(SweepSpec, read_yaml_mapping(str(path), "sweep"), "")
     known = architecture_names()
     for i, arch in enumerate(spec.architectures):
         if arch not in known:
@@ -296,7 +290,12 @@ def plan_sweep(sweep_path: str | Path, flops_per_second: Optional[float] = None)
     return SweepPlan(spec, base, runs)
 
 
-def _tokens_tag(tokens: float) -> str:
+RUN_OVERHEAD_S = 20.0
+"""What a small run costs besides its steps (start-up, data indices, validation, checkpoints):
+about 20 s measured on the 2-core machine; `plan --measure` measures it and the step pace."""
+
+
+def tokens_tag(tokens: float) -> str:
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if tokens >= scale:
             return f"{tokens / scale:g}{unit}"
@@ -317,7 +316,7 @@ def _run(spec, base, arch, size, shape, tokens, lr, factor, grid, seed, rate, vo
     if spec.batch.seq_length is not None:
         overrides["data.seq_length"] = spec.batch.seq_length
     lr_tag = f"lr{lr:g}" if lr is not None else "lrbest"
-    name = f"{arch}_{size.name}_{_tokens_tag(tokens)}_{lr_tag}_s{seed}"
+    name = f"{arch}_{size.name}_{tokens_tag(tokens)}_{lr_tag}_s{seed}"
     where = f"run {name}"
     seq = (spec.batch.seq_length
            or load_config(str(base), as_sets(spec.set), here=False).data.seq_length)
@@ -342,7 +341,7 @@ def _run(spec, base, arch, size, shape, tokens, lr, factor, grid, seed, rate, vo
                    phase=1 if lr is not None else 2, lr=lr, lr_factor=factor, grid=grid,
                    overrides=overrides, params=params, non_embedding_params=non_embedding,
                    flops_per_token=per_token, total_flops=total, train_steps=steps,
-                   estimated_seconds=total / rate if rate else None)
+                   estimated_seconds=total / rate + RUN_OVERHEAD_S if rate else None)
 
 
 def plan_table(plan: SweepPlan) -> str:
@@ -350,20 +349,20 @@ def plan_table(plan: SweepPlan) -> str:
              "total FLOPs | est. time |", "|---|---|---|---|---|---|---|---|---|---|"]
     total_s = 0.0
     for r in plan.runs:
-        est = "-" if r.estimated_seconds is None else _duration(r.estimated_seconds)
+        est = "-" if r.estimated_seconds is None else duration_text(r.estimated_seconds)
         total_s += r.estimated_seconds or 0.0
         lines.append(f"| {r.name} | {r.phase} | {r.params / 1e6:.2f}M | "
-                     f"{r.non_embedding_params / 1e6:.3f}M | {_tokens_tag(r.tokens)} | "
+                     f"{r.non_embedding_params / 1e6:.3f}M | {tokens_tag(r.tokens)} | "
                      f"{r.train_steps} | {r.lr_text()} | {r.flops_per_token:.3g} | "
                      f"{r.total_flops:.3g} | {est} |")
     total_flops = sum(r.total_flops for r in plan.runs)
     lines.append("")
     lines.append(f"{len(plan.runs)} runs, {total_flops:.3g} FLOPs"
-                 + (f", about {_duration(total_s)} one after another" if total_s else ""))
+                 + (f", about {duration_text(total_s)} one after another" if total_s else ""))
     return "\n".join(lines)
 
 
-def _duration(seconds: float) -> str:
+def duration_text(seconds: float) -> str:
     if seconds < 120:
         return f"{seconds:.0f} s"
     if seconds < 7200:

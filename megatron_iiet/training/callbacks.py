@@ -106,7 +106,11 @@ class ValidationCallback(Callback):
         self.last_loss: Optional[float] = None
 
     def _validate(self, trainer, step: int) -> None:
-        self.last_step, self.last_loss = step, trainer.evaluate()
+        loss = trainer.evaluate()
+        if loss is None:  # cut short: PreemptionCallback, next in line, saves this step
+            trainer.reporter.message(f"validation at step {step} cut short by a preemption")
+            return
+        self.last_step, self.last_loss = step, loss
         trainer.emit_validation(step, self.last_loss)
 
     def on_step_end(self, trainer, event):
@@ -118,18 +122,27 @@ class ValidationCallback(Callback):
             self._validate(trainer, trainer.state.step)
 
 
+def stop_for_preemption(trainer, handler, step: int, cut_short: Optional[str] = None) -> None:
+    """Ask ``trainer`` to save ``step`` and stop, as ``handler`` (a PreemptionHandler that said
+    stop) asks; ``cut_short`` names an evaluation it interrupted."""
+    reason = handler.reason or "a preemption signal reached another rank"
+    during = f", {cut_short} cut short" if cut_short else ""
+    trainer.reporter.message(f"preemption: {reason}{during}; stopped after step {step}")
+    trainer.reporter.event("preempted", step, reason=reason,
+                           **({"cut_short": cut_short} if cut_short else {}))
+    trainer.request_stop(f"preemption: {reason}", save=True, preempted=True)
+
+
 class PreemptionCallback(Callback):
-    """A preemption signal, or a lost launcher, on any rank: save this step and stop."""
+    """A preemption signal, or a lost launcher, on any rank: save this step and stop. Validation
+    and in-loop task evaluation ask too, between their batches, and give way to the save."""
 
     def __init__(self, handler):
         self.handler = handler
 
     def on_step_end(self, trainer, event):
         if self.handler.stop_requested():  # a collective: every rank asks at every step
-            reason = self.handler.reason
-            trainer.reporter.message(f"preemption: {reason}; stopped after step {event.step}")
-            trainer.reporter.event("preempted", event.step, reason=reason)
-            trainer.request_stop(f"preemption: {reason}", save=True, preempted=True)
+            stop_for_preemption(trainer, self.handler, event.step)
 
 
 class ExitIntervalCallback(Callback):
@@ -167,7 +180,8 @@ class CheckpointCallback(Callback):
             self._save(trainer)
 
     def on_train_end(self, trainer, finished):
-        if finished and self.saved_step != trainer.state.step:
+        # A save asked for by a callback after this one (a preempted task evaluation) is due too.
+        if (finished or trainer.save_requested) and self.saved_step != trainer.state.step:
             self._save(trainer)
         self.manager.close()
 

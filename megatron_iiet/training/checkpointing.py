@@ -6,12 +6,15 @@ Layout of a checkpoint root::
     latest                  text: the name of the newest complete checkpoint (updated last)
     iter_0000100/           one complete checkpoint
         meta.json           step, consumed samples, scheduler, engine, layout, config,
-                            architecture, tokenizer, and the manifest (every file, its size)
+                            architecture, tokenizer, and the manifest (every file, its size
+                            and checksum)
         (the engine's files: dist_checkpointing tensors, rng/rank{r}.pt, deepspeed/ ...)
     iter_0000200.partial/   a save in progress (or interrupted): never read, removed on start
 
 `meta.json` is written last inside the directory, so a resume can tell a complete checkpoint
-from a truncated one (`checkpoint_index.py`) and falls back to the newest complete one.
+from a truncated one (`checkpoint_index.py`) and falls back to the newest complete one. Every
+load (`verify_for_load`: resume, conversion, evaluation) first compares each file with its
+checksum and reads the pickles megatron would unpickle without running code (`safe_pickle.py`).
 Retention never deletes the checkpoint just saved, nor any newer one.
 """
 
@@ -29,11 +32,12 @@ from typing import Optional
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.core import CheckpointingException
 
-from megatron_iiet.distributed import barrier, on_rank0
+from megatron_iiet.distributed import all_gather, barrier, on_rank0
 from megatron_iiet.storage import storage_error
 from megatron_iiet.training.checkpoint_index import (  # noqa: F401  (re-exported)
-    LATEST, MANIFEST_KEY, META, PARTIAL_SUFFIX, CheckpointError, checkpoint_name, list_checkpoints,
-    manifest, newest_complete, read_meta, resolve_checkpoint, step_of)
+    CHECKSUMS_KEY, LATEST, MANIFEST_KEY, META, PARTIAL_SUFFIX, CheckpointError, checkpoint_name,
+    checksum_record, checksums, list_checkpoints, manifest, newest_complete, read_meta,
+    resolve_checkpoint, share, step_of, verify_checksums)
 
 
 def architecture_signature(model_config) -> dict:
@@ -56,6 +60,10 @@ def architecture_signature(model_config) -> dict:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
@@ -144,12 +152,24 @@ class CheckpointManager:
 
     def _commit(self, meta: dict, partial: Path, final: Path) -> None:
         barrier()  # every rank has written its files
-        on_rank0(lambda: self._publish(meta, partial, final),
+        files = manifest(partial)
+        try:  # each rank hashes a share of the files (the just-written bytes: page cache)
+            mine: dict | OSError = checksums(partial, share(files, _rank(), _world()))
+        except OSError as err:
+            mine = err
+        shares = all_gather(mine)
+        on_rank0(lambda: self._publish(meta, partial, final, files, shares),
                  lambda err: self._failed(err, partial))
         self.log(f"saved checkpoint {final}")
 
-    def _publish(self, meta: dict, partial: Path, final: Path) -> None:
-        meta = {**meta, MANIFEST_KEY: manifest(partial)}
+    def _publish(self, meta: dict, partial: Path, final: Path, files: dict[str, int],
+                 shares: list) -> None:
+        sums: dict[str, str] = {}
+        for part in shares:
+            if isinstance(part, OSError):
+                raise part
+            sums.update(part)
+        meta = {**meta, MANIFEST_KEY: files, CHECKSUMS_KEY: checksum_record(sums)}
         _write_text_atomic(partial / META, json.dumps(meta, indent=2, default=str))
         superseded = final.with_name(final.name + ".superseded")
         if final.exists():  # the same step saved again (after a resume from an older one)
@@ -220,8 +240,11 @@ def check_compatible(meta: dict, model_config, tokenizer_fingerprint: Optional[s
              for k, v in mine.items() if theirs.get(k) != v]
     if diffs:
         raise CheckpointError(f"{path}: written by another architecture ({'; '.join(diffs)})")
+    from megatron_iiet.data.tokenizer import fingerprint_matches
+
     saved_fp = meta.get("tokenizer_fingerprint")
-    if tokenizer_fingerprint and saved_fp and saved_fp != tokenizer_fingerprint:
+    if tokenizer_fingerprint and saved_fp and not fingerprint_matches(saved_fp,
+                                                                       tokenizer_fingerprint):
         raise CheckpointError(
             f"{path}: trained with tokenizer {saved_fp}, but the configured data uses "
             f"{tokenizer_fingerprint}")
@@ -241,10 +264,31 @@ def check_compatible(meta: dict, model_config, tokenizer_fingerprint: Optional[s
             "checkpoint.load_model_only=true for its weights only)")
 
 
+def verify_for_load(path: Path, meta: Optional[dict] = None) -> None:
+    """Before anything reads the checkpoint at ``path``: every file still has the checksum
+    recorded at commit (the ranks split the hashing) and no pickle megatron reads names code
+    (rank 0 reads them: `safe_pickle.check_dist_checkpoint`). Every rank raises the same
+    one-line CheckpointError."""
+    from megatron_iiet.safe_pickle import check_dist_checkpoint
+
+    path = Path(path)
+    problem = verify_checksums(path, read_meta(path) if meta is None else meta, _rank(), _world())
+    if problem is None and _rank() == 0:
+        try:
+            check_dist_checkpoint(path)
+        except CheckpointError as err:
+            problem = str(err)
+    found = [p for p in all_gather(problem) if p]
+    if found:
+        raise CheckpointError(found[0])
+
+
 def load(engine, path: Path, seed: int, model_only: bool = False) -> TrainingState:
     """Restore ``engine`` from the checkpoint at ``path`` (checked with ``check_compatible``
-    first); ``model_only`` (or a model-only checkpoint): the weights alone, at step 0."""
+    first, its files with ``verify_for_load``); ``model_only`` (or a model-only checkpoint): the
+    weights alone, at step 0."""
     meta = read_meta(path)
+    verify_for_load(path, meta)
     if model_only or meta.get("model_only"):
         engine.load_weights(path, seed)
         return TrainingState()

@@ -2,19 +2,24 @@
 
     cfg = load_config("examples/tiny_iiet.yaml", ["optimizer.lr=3e-4", "parallel.tensor=2"])
 
-Unknown keys, wrong types and impossible layouts fail here, before anything is built, with the
-dotted name of the offending field.
+Unknown keys, wrong types, impossible values and layouts, repeated YAML keys and YAML syntax
+errors fail here, before anything is built or locked, as one ``BadInput`` line naming the dotted
+field (or the file and line).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import operator
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import yaml
+
+from megatron_iiet.errors import BadInput
 
 
 @dataclass
@@ -59,9 +64,10 @@ class DataSection:
     seq_length: int = 128
     num_workers: int = 2
     cache_dir: Optional[str] = None
-    verify_checksums: bool = True
+    verify_checksums: Union[bool, str] = True
     """Check each dataset against the sha256 recorded at preprocessing before training (a full
-    read once per file version, remembered in PREFIX.verified.json); false skips that read."""
+    read once per file version, remembered in PREFIX.verified.json, and a few random 1 MiB blocks
+    re-read at every start); "full": the full read every time; false skips the check."""
     builtin_dir: str = "outputs/builtin_data"
     builtin_vocab_size: int = 4096
     builtin_corpus_size: str = "4MB"
@@ -104,6 +110,13 @@ class ParallelSection:
     offload_optimizer: bool = False
     use_distributed_optimizer: bool = False
     """megatron engine on GPU: shard optimizer state over DP (ZeRO-1 style)."""
+    stall_timeout_s: float = 1800.0
+    """Stall watchdog: a rank that finishes no step (nor validation, nor save) for this long ends
+    the job with one line naming the stalled rank (the first step gets 3x: compilation, warm-up);
+    0: off. docs/training.md, "Hangs"."""
+    collective_timeout_s: Optional[float] = None
+    """Timeout of every collective (gloo and NCCL, megatron's groups included); null:
+    stall_timeout_s + 600, so that the watchdog names the stalled rank first (600 with it off)."""
 
 
 @dataclass
@@ -137,6 +150,14 @@ class LoggingSection:
     progress_bar: bool = True
     max_skipped_steps: int = 10
     """Stop after this many steps with non-finite loss."""
+    wandb_project: Optional[str] = None
+    """Also log to Weights & Biases under this project (needs `pip install wandb`); null: off."""
+    wandb_mode: str = "online"
+    """online | offline (written under logging.dir/wandb, `wandb sync` later: no network needed)"""
+    wandb_entity: Optional[str] = None
+    wandb_name: Optional[str] = None
+    """The W&B run's name (default: the logging directory's name). A resumed run continues the
+    same W&B run (its id is kept in logging.dir/wandb_run_id)."""
 
 
 @dataclass
@@ -153,7 +174,7 @@ class EvalSection:
     """Examples per task (lm-eval's --limit: a count, or a fraction < 1); null: all."""
     tasks_batch_size: int = 8
     tasks_data_dir: Optional[str] = None
-    """Folder with the task files (default: ../shared/data beside the repo, $IIET_EVAL_DATA)."""
+    """Folder with the task files (default: ../shared/data beside the repo, $IIET_SHARED_DATA)."""
 
 
 @dataclass
@@ -235,15 +256,15 @@ def _check_type(value: Any, annotation: Any, where: str) -> Any:
                 return _check_type(value, a, where)
             except ValueError as e:
                 errors.append(str(e))
-        raise ValueError(errors[0] if errors else f"{where}: bad value {value!r}")
+        raise BadInput(errors[0] if errors else f"{where}: bad value {value!r}")
     if origin is dict:
         if not isinstance(value, dict):
-            raise ValueError(f"{where}: expected a mapping, got {value!r}")
+            raise BadInput(f"{where}: expected a mapping, got {value!r}")
         inner = args[1] if len(args) == 2 else Any
         return {k: _check_type(v, inner, f"{where}.{k}") for k, v in value.items()}
     if origin is list or annotation is list:
         if not isinstance(value, list):
-            raise ValueError(f"{where}: expected a list, got {value!r}")
+            raise BadInput(f"{where}: expected a list, got {value!r}")
         inner = args[0] if args else Any
         return [_check_type(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
     if annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -253,24 +274,24 @@ def _check_type(value: Any, annotation: Any, where: str) -> Any:
         try:
             return float(value)
         except ValueError:
-            raise ValueError(f"{where}: expected a number, got {value!r}") from None
+            raise BadInput(f"{where}: expected a number, got {value!r}") from None
     if annotation in (int, str, bool) and not (
         isinstance(value, annotation) and not (annotation is int and isinstance(value, bool))
     ):
-        raise ValueError(f"{where}: expected {annotation.__name__}, got {value!r}")
+        raise BadInput(f"{where}: expected {annotation.__name__}, got {value!r}")
     return value
 
 
 def _build(cls, data: dict, where: str):
     if not isinstance(data, dict):
-        raise ValueError(f"{where or 'config'}: expected a mapping, got {data!r}")
+        raise BadInput(f"{where or 'config'}: expected a mapping, got {data!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in data.items():
         name = f"{where}.{key}" if where else key
         if key not in fields:
-            raise ValueError(f"{name}: unknown key (known: {', '.join(fields)})")
+            raise BadInput(f"{name}: unknown key (known: {', '.join(fields)})")
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
             kwargs[key] = _build(hint, value or {}, name)
@@ -285,27 +306,78 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     for k in keys[:-1]:
         node = node.setdefault(k, {})
         if not isinstance(node, dict):
-            raise ValueError(f"{dotted}: {k} is not a section")
+            raise BadInput(f"{dotted}: {k} is not a section")
     node[keys[-1]] = value
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping: the plain loader keeps the
+    last copy, so a section repeated further down a config silently dropped the first one."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *anchor` entries may be overridden on purpose
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    first = seen.get(key)
+                except TypeError:
+                    continue  # an unhashable key: the base constructor refuses it
+                if first is not None:
+                    raise BadInput(f"{self.name}: line {line}: duplicate key {key!r} (first "
+                                   f"given on line {first})")
+                seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def parse_yaml(text: str, name: str) -> Any:
+    """``text`` parsed with ``UniqueKeyLoader``; a syntax error is one line naming ``name``,
+    the line and the column."""
+    loader = UniqueKeyLoader(text)
+    loader.name = name  # what its marks (and so our messages) call the source
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise BadInput(f"{name}: not valid YAML: {where}{problem}") from None
+    finally:
+        loader.dispose()
+
+
+def read_yaml_mapping(path: str, what: str) -> dict:
+    """The mapping a YAML file holds (empty file: {}), for configs and sweep specs."""
+    p = Path(path)
+    if not p.is_file():
+        raise BadInput(f"{what}: {path} does not exist")
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise BadInput(f"{what}: cannot read {path}: {err}") from None
+    tree = parse_yaml(text, str(path))
+    if tree is None:
+        return {}
+    if not isinstance(tree, dict):
+        raise BadInput(f"{what}: {path} holds a {type(tree).__name__}, not a mapping of keys")
+    return tree
 
 
 def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
-        raise ValueError(f"override {text!r}: expected key.path=value")
+        raise BadInput(f"override {text!r}: expected key.path=value")
     key, raw = text.split("=", 1)
-    return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+    return key.strip(), parse_yaml(raw, f"override {text!r}") if raw.strip() else None
 
 
 def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None,
                 here: bool = True) -> TrainConfig:
     """``here=False`` skips the checks of what this machine can run (a config planned for a
     GPU cluster, e.g. by tools/sweep.py plan)."""
-    tree: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"config: {path} does not exist")
-        tree = yaml.safe_load(p.read_text()) or {}
+    tree = read_yaml_mapping(path, "config") if path is not None else {}
     for text in overrides or []:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
@@ -351,8 +423,57 @@ def _check_model(cfg: TrainConfig) -> None:
         text = str(err) or type(err).__name__
         known = {f.name for f in dataclasses.fields(ModelSection)}
         field_name = text.split(":", 1)[0].strip()
-        raise ValueError(f"model.{text}" if field_name in known or field_name == "preset"
-                         else f"model: {text}") from None
+        raise BadInput(f"model.{text}" if field_name in known or field_name == "preset"
+                       else f"model: {text}") from None
+
+
+# The range of every numeric field, checked first: an impossible value failed far from its
+# cause (data.seq_length=0 in a SIGFPE inside megatron's index builder, leaving the run lock; a zero
+# batch size or log interval in a ZeroDivisionError). None (a preset's value, "off") passes.
+# tests/training/test_config_values.py checks that every numeric field is listed.
+VALUE_RANGES: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
+    (">= 1", lambda v: v >= 1, (
+        "model.num_layers", "model.hidden_size", "model.num_attention_heads",
+        "model.num_query_groups", "model.ffn_hidden_size", "model.recompute_num_layers",
+        "data.seq_length", "data.builtin_vocab_size", "schedule.train_steps",
+        "schedule.wsd_decay_steps", "parallel.tensor", "parallel.pipeline",
+        "parallel.micro_batch_size", "parallel.global_batch_size", "logging.log_interval",
+        "eval.steps", "eval.tasks_batch_size")),
+    (">= 0", lambda v: v >= 0, (
+        "model.max_iterations", "model.init_method_std", "data.num_workers", "optimizer.lr",
+        "optimizer.min_lr", "optimizer.weight_decay", "optimizer.eps", "optimizer.clip_grad",
+        "schedule.warmup_steps", "schedule.exit_interval", "checkpoint.save_interval",
+        "checkpoint.keep_last", "logging.max_skipped_steps", "eval.interval",
+        "parallel.stall_timeout_s",
+        "eval.tasks_interval", "distill.kl_weight", "distill.start_step", "seed")),
+    ("> 0", lambda v: v > 0, ("eval.tasks_limit", "distill.temperature", "distill.end_step",
+                              "parallel.collective_timeout_s")),
+    ("in [0, 1)", lambda v: 0 <= v < 1, (
+        "model.hidden_dropout", "model.attention_dropout", "optimizer.beta1", "optimizer.beta2")),
+    ("0..3", lambda v: v in (0, 1, 2, 3), ("parallel.zero_stage",)),
+)
+
+
+def _check_ranges(cfg: TrainConfig) -> None:
+    for rule, holds, names in VALUE_RANGES:
+        for name in names:
+            value = operator.attrgetter(name)(cfg)
+            finite = not isinstance(value, float) or math.isfinite(value)
+            if value is not None and not (finite and holds(value)):
+                raise BadInput(f"{name}: must be {rule}, got {value}")
+
+
+def _check_split(split: str) -> None:
+    # megatron's parser takes any run of digits and dots, so "abc" or "1.2.3" failed inside it.
+    parts = split.split(",")
+    try:
+        shares = [float(p) for p in parts]
+    except ValueError:
+        shares = []
+    if not 1 <= len(parts) <= 3 or len(shares) != len(parts) or not all(
+            math.isfinite(v) and v >= 0 for v in shares) or not sum(shares) > 0:
+        raise BadInput(f"data.split: {split!r} is not 'TRAIN,VALID,TEST' (up to three "
+                       "non-negative shares, e.g. 98,2,0)")
 
 
 def _check_distill(cfg: TrainConfig) -> None:
@@ -360,78 +481,70 @@ def _check_distill(cfg: TrainConfig) -> None:
     for i, t in enumerate(d.teachers):
         where = f"distill.teachers[{i}]"
         if (t.checkpoint is None) == (t.logits is None):
-            raise ValueError(f"{where}: give exactly one of checkpoint (a live teacher) or "
-                             "logits (precomputed top-k logits)")
+            raise BadInput(f"{where}: give exactly one of checkpoint (a live teacher) or "
+                           "logits (precomputed top-k logits)")
         if t.weight < 0:
-            raise ValueError(f"{where}.weight: must be >= 0, got {t.weight}")
+            raise BadInput(f"{where}.weight: must be >= 0, got {t.weight}")
         if t.zero3 and (cfg.parallel.engine != "deepspeed" or t.checkpoint is None):
-            raise ValueError(f"{where}.zero3: a ZeRO-3 teacher needs parallel.engine=deepspeed "
-                             "and a checkpoint teacher")
-    if d.temperature <= 0:
-        raise ValueError(f"distill.temperature: must be > 0, got {d.temperature}")
-    if d.kl_weight < 0:
-        raise ValueError(f"distill.kl_weight: must be >= 0, got {d.kl_weight}")
+            raise BadInput(f"{where}.zero3: a ZeRO-3 teacher needs parallel.engine=deepspeed "
+                           "and a checkpoint teacher")
     if d.positions not in ("labelled", "all"):
-        raise ValueError(f"distill.positions: unknown {d.positions!r} (labelled | all)")
+        raise BadInput(f"distill.positions: unknown {d.positions!r} (labelled | all)")
     if d.end_step is not None and d.end_step <= d.start_step:
-        raise ValueError(f"distill.end_step: {d.end_step} must be after start_step "
-                         f"{d.start_step}")
+        raise BadInput(f"distill.end_step: {d.end_step} must be after start_step "
+                       f"{d.start_step}")
     if cfg.checkpoint.init_from is not None and cfg.checkpoint.load not in ("auto", None):
-        raise ValueError("checkpoint.init_from: only with checkpoint.load auto (a run resumes "
-                         "its own checkpoints, and starts from init_from before it has any)")
+        raise BadInput("checkpoint.init_from: only with checkpoint.load auto (a run resumes "
+                       "its own checkpoints, and starts from init_from before it has any)")
 
 
 def validate(cfg: TrainConfig, world_size: Optional[int] = None, here: bool = True) -> None:
-    """Checks that need several fields at once; world_size adds the layout checks."""
+    """Every field's range, then the checks that need several fields at once; world_size adds
+    the layout checks."""
+    _check_ranges(cfg)
+    _check_split(cfg.data.split)
+    if isinstance(cfg.data.verify_checksums, str) and cfg.data.verify_checksums != "full":
+        raise BadInput(f"data.verify_checksums: unknown {cfg.data.verify_checksums!r} "
+                       "(true | false | full)")
     par = cfg.parallel
     if par.engine not in ("megatron", "deepspeed"):
-        raise ValueError(f"parallel.engine: unknown {par.engine!r} (megatron | deepspeed)")
+        raise BadInput(f"parallel.engine: unknown {par.engine!r} (megatron | deepspeed)")
     if par.precision not in ("fp32", "bf16", "fp16"):
-        raise ValueError(f"parallel.precision: unknown {par.precision!r} (fp32 | bf16 | fp16)")
+        raise BadInput(f"parallel.precision: unknown {par.precision!r} (fp32 | bf16 | fp16)")
     from megatron_iiet.platform import gpu_only_refusal
 
     if here and par.engine == "megatron" and par.precision != "fp32":
         refusal = gpu_only_refusal("mixed_precision_optimizer")
         if refusal:
-            raise ValueError(f"parallel.precision: {par.precision} with the megatron engine "
-                             f"{refusal}")
+            raise BadInput(f"parallel.precision: {par.precision} with the megatron engine "
+                           f"{refusal}")
     if here and par.use_distributed_optimizer and par.engine == "megatron":
         refusal = gpu_only_refusal("distributed_optimizer")
         if refusal:
-            raise ValueError(f"parallel.use_distributed_optimizer: megatron's distributed "
-                             f"optimizer {refusal}")
+            raise BadInput(f"parallel.use_distributed_optimizer: megatron's distributed "
+                           f"optimizer {refusal}")
     if par.engine == "deepspeed" and par.pipeline != 1:
-        raise ValueError("parallel.pipeline: the deepspeed engine runs with pipeline=1")
-    if par.zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"parallel.zero_stage: must be 0..3, got {par.zero_stage}")
+        raise BadInput("parallel.pipeline: the deepspeed engine runs with pipeline=1")
     if par.global_batch_size % par.micro_batch_size:
-        raise ValueError(
+        raise BadInput(
             f"parallel.global_batch_size: {par.global_batch_size} is not a multiple of "
             f"micro_batch_size {par.micro_batch_size}"
         )
     if cfg.schedule.decay_style not in ("cosine", "linear", "constant", "WSD"):
-        raise ValueError(f"schedule.decay_style: unknown {cfg.schedule.decay_style!r}")
-    if cfg.checkpoint.keep_last < 0:
-        raise ValueError(f"checkpoint.keep_last: must be >= 0 (0 keeps all), got "
-                         f"{cfg.checkpoint.keep_last}")
-    ev = cfg.eval
-    if ev.tasks_interval < 0 or ev.tasks_batch_size < 1:
-        raise ValueError("eval.tasks_interval must be >= 0 and eval.tasks_batch_size >= 1")
-    if ev.tasks_limit is not None and ev.tasks_limit <= 0:
-        raise ValueError(f"eval.tasks_limit: must be positive (or null: all), got {ev.tasks_limit}")
+        raise BadInput(f"schedule.decay_style: unknown {cfg.schedule.decay_style!r}")
     _check_distill(cfg)
     if cfg.schedule.warmup_steps >= cfg.schedule.train_steps:
-        raise ValueError("schedule.warmup_steps: must be shorter than schedule.train_steps")
+        raise BadInput("schedule.warmup_steps: must be shorter than schedule.train_steps")
     _check_model(cfg)
     if world_size is not None:
         mp = par.tensor * par.pipeline
         if world_size % mp:
-            raise ValueError(
+            raise BadInput(
                 f"parallel: tensor x pipeline = {mp} does not divide the {world_size} processes"
             )
         dp = world_size // mp
         if par.global_batch_size % (par.micro_batch_size * dp):
-            raise ValueError(
+            raise BadInput(
                 f"parallel.global_batch_size: {par.global_batch_size} is not divisible by "
                 f"micro_batch_size x data-parallel size = {par.micro_batch_size} x {dp}"
             )

@@ -1,14 +1,18 @@
 """Training data: megatron-core GPT datasets over preprocessed .bin/.idx, in a fixed global order.
 
-The global sample order is megatron's (GPTDataset shuffles documents and samples with a seed);
-step k consumes global samples [k*G, (k+1)*G). Each global batch is cut into micro-batches of
-``micro_batch_size x dp`` samples, and data-parallel rank r takes its slice of each: the same
-split Megatron-LM uses, so DP=1 and DP=2 see the same global batch. ``consumed_samples`` goes in
-the checkpoint and is all a resume needs to continue the stream exactly.
+The global sample order is megatron's (GPTDataset shuffles documents and samples with a seed),
+one epoch at a time, so it depends on the data, the seed and the sequence length but not on the
+run's length or batch size. A step consumes the next G (global batch) samples. Each global
+batch is cut into micro-batches of ``micro_batch_size x dp`` samples, and data-parallel rank r
+takes its slice of each: the same split Megatron-LM uses, so DP=1 and DP=2 see the same global
+batch. ``consumed_samples`` goes in the checkpoint and is all a resume needs to continue the
+stream exactly, also with a longer schedule or another global batch size.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,6 +24,7 @@ from torch.utils.data import DataLoader
 from megatron_iiet.data.blend import validate_blend
 from megatron_iiet.data.tokenizer import Tokenizer
 from megatron_iiet.distributed import barrier, on_rank0
+from megatron_iiet.errors import BadInput
 from megatron_iiet.training.config import TrainConfig
 from megatron_iiet.training.signals import ignore_preemption_signals
 
@@ -43,7 +48,7 @@ def resolve_sources(cfg: TrainConfig, rank: int = 0) -> DataSources:
         from megatron_iiet.data.prepare import prepare_builtin_corpus
 
         if data.tokenizer is not None:
-            raise ValueError("data.tokenizer: set data.train too (the built-in corpus brings its own)")
+            raise BadInput("data.tokenizer: set data.train too (the built-in corpus brings its own)")
         marker = Path(data.builtin_dir) / ".prepared"
         if rank == 0:
             prepared = prepare_builtin_corpus(data.builtin_dir, vocab_size=data.builtin_vocab_size,
@@ -54,10 +59,10 @@ def resolve_sources(cfg: TrainConfig, rank: int = 0) -> DataSources:
         train_spec: object = marker.read_text()
     else:
         if data.tokenizer is None:
-            raise ValueError("data.tokenizer: required when data.train is set")
+            raise BadInput("data.tokenizer: required when data.train is set")
         tokenizer_path, train_spec = data.tokenizer, data.train
     if not Path(tokenizer_path).exists():
-        raise ValueError(f"data.tokenizer: {tokenizer_path} does not exist")
+        raise BadInput(f"data.tokenizer: {tokenizer_path} does not exist")
     tokenizer = Tokenizer.from_path(tokenizer_path)
     checks = dict(expected_fingerprint=tokenizer.fingerprint, verify_checksums=data.verify_checksums,
                   vocab_size=tokenizer.vocab_size)
@@ -66,8 +71,8 @@ def resolve_sources(cfg: TrainConfig, rank: int = 0) -> DataSources:
         try:
             return (validate_blend(train_spec, **checks),
                     validate_blend(data.valid, **checks) if data.valid is not None else None)
-        except ValueError as e:
-            raise ValueError(f"data: {e}") from e
+        except ValueError as e:  # validate_blend's contract: every refusal is a ValueError
+            raise BadInput(f"data: {e}") from e
 
     # Rank 0 reads the files once for all (a checksum is a full read); every rank gets its verdict.
     train, valid = on_rank0(check_blends)
@@ -75,21 +80,61 @@ def resolve_sources(cfg: TrainConfig, rank: int = 0) -> DataSources:
 
 
 def _megatron_tokenizer(tokenizer: Tokenizer):
-    # GPTDataset reads only these attributes; unique_identifiers keys its index cache
+    # GPTDataset reads only these attributes; unique_identifiers keys its index cache and the
+    # dataset hash precomputed teacher logits record: the legacy fingerprint keeps both valid
+    # (the sample order does not depend on the merges; the data's own identity is the path's)
     return SimpleNamespace(vocab_size=tokenizer.vocab_size, eod=tokenizer.eod_id, pad=-1,
                            eos=tokenizer.eos_id,
-                           unique_identifiers={"fingerprint": tokenizer.fingerprint})
+                           unique_identifiers={"fingerprint": tokenizer.legacy_fingerprint})
 
 
-def build_datasets(cfg: TrainConfig, sources: DataSources):
-    """(train, valid) megatron GPTDatasets sized for the whole run."""
+def index_cache_dir(cfg: TrainConfig, sources: DataSources) -> str:
+    """Where megatron caches the sample indices of this run's data: a folder of data.cache_dir
+    per content of the datasets. megatron keys its cache by path, seed and sizes only, so data
+    re-preprocessed into the same prefix was read through the old data's indices (issue 28: 753
+    of 800 samples wrong, 47 IndexErrors), in every run and sweep sharing the folder. The key is
+    the checksums preprocessing recorded in each meta.json (verified against the files before
+    this, unless data.verify_checksums is off); megatron's own key, which precomputed teacher
+    logits record, stays as it was."""
+    from megatron_iiet.data import indexed_io
+
+    signature = {}
+    for prefix in sorted({p for _, p in sources.train_blend + (sources.valid_blend or [])}):
+        meta = indexed_io.read_meta(prefix)
+        signature[prefix] = ([meta["bin_sha256"], meta.get("idx_sha256")] if "bin_sha256" in meta
+                             else [[f.stat().st_size, f.stat().st_mtime_ns]  # none recorded
+                                   for f in indexed_io.dataset_files(prefix)])
+    key = hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:16]
+    root = cfg.data.cache_dir or str(Path(cfg.logging.dir) / "data_cache")
+    return str(Path(root) / f"data-{key}")
+
+
+ORDER_VERSION = "epoch_chunks"
+"""Recorded in checkpoints whose sample order ``build_datasets`` makes independent of the run's
+length and batch size; checkpoints without it resume in the legacy order (``legacy_order``)."""
+
+_CHUNK_SEED_STRIDE = 7919
+"""Chunk e of the training order is shuffled with seed + e x this (chunk 0 with the seed itself,
+so a run within one epoch sees the order earlier versions gave it)."""
+
+
+def build_datasets(cfg: TrainConfig, sources: DataSources, train_samples: Optional[int] = None,
+                   legacy_order: bool = False):
+    """(train, valid) megatron GPTDatasets covering ``train_samples`` (default: the whole run).
+
+    The training order is a function of the data, the seed and the sequence length alone:
+    chunks of one epoch each (for a blend, as many samples as its datasets hold sequences), chunk
+    e shuffled with its own seed, concatenated. Asking megatron for N samples at once would tie
+    the order of every epoch to N, so a longer schedule or another global batch size after a
+    resume would reshuffle data already consumed. ``legacy_order``: the order of checkpoints
+    written before (megatron sized for train_steps x global batch)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     par, sched = cfg.parallel, cfg.schedule
-    train_samples = sched.train_steps * par.global_batch_size
+    needed = train_samples or sched.train_steps * par.global_batch_size
     evals = sched.train_steps // cfg.eval.interval + 1 if cfg.eval.interval else 1
     valid_samples = cfg.eval.steps * par.global_batch_size * evals
 
@@ -97,36 +142,75 @@ def build_datasets(cfg: TrainConfig, sources: DataSources):
         # megatron wants no weights for a single dataset (then split sizes may be left open)
         return ([p for _, p in pairs], [w for w, _ in pairs] if len(pairs) > 1 else None)
 
-    test_samples = None if len(sources.train_blend) == 1 else valid_samples
+    weighted = len(sources.train_blend) > 1
+    test_samples = valid_samples if weighted else None
 
-    common = dict(
-        random_seed=cfg.seed,
-        sequence_length=cfg.data.seq_length,
-        tokenizer=_megatron_tokenizer(sources.tokenizer),
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,
-        path_to_cache=cfg.data.cache_dir or str(Path(cfg.logging.dir) / "data_cache"),
-        mid_level_dataset_surplus=0.05,
-    )
-    if sources.valid_blend is None:
-        _check_split_nonempty(cfg.data.split, sources.train_blend)
-        ds_cfg = GPTDatasetConfig(blend=blend(sources.train_blend), split=cfg.data.split, **common)
-    else:
-        ds_cfg = GPTDatasetConfig(
-            blend_per_split=[blend(sources.train_blend), blend(sources.valid_blend), None],
-            **common,
+    def build(seed: int, train_size: Optional[int]):
+        common = dict(
+            random_seed=seed,
+            sequence_length=cfg.data.seq_length,
+            tokenizer=_megatron_tokenizer(sources.tokenizer),
+            reset_position_ids=False,
+            reset_attention_mask=False,
+            eod_mask_loss=False,
+            create_attention_mask=False,
+            path_to_cache=index_cache_dir(cfg, sources),
+            mid_level_dataset_surplus=0.05,
         )
-    train, valid, _ = BlendedMegatronDatasetBuilder(
-        GPTDataset, [train_samples, valid_samples, test_samples], lambda: True, ds_cfg
-    ).build()
+        if sources.valid_blend is None:
+            _check_split_nonempty(cfg.data.split, sources.train_blend)
+            ds_cfg = GPTDatasetConfig(blend=blend(sources.train_blend), split=cfg.data.split,
+                                      **common)
+        else:
+            ds_cfg = GPTDatasetConfig(
+                blend_per_split=[blend(sources.train_blend), blend(sources.valid_blend), None],
+                **common,
+            )
+        train, valid, _ = BlendedMegatronDatasetBuilder(
+            GPTDataset, [train_size, valid_samples, test_samples], lambda: True, ds_cfg
+        ).build()
+        return train, valid
+
+    if legacy_order:
+        train, valid = build(cfg.seed, needed)
+    else:
+        # one epoch: megatron's own when the size is open (one dataset); counted for a blend
+        chunk_size = _blend_sequences(sources.train_blend, cfg.data.seq_length) if weighted else None
+        first, valid = build(cfg.seed, chunk_size)
+        chunks = [first]
+        while len(chunks) * len(first) < needed:
+            chunks.append(build(cfg.seed + _CHUNK_SEED_STRIDE * len(chunks), chunk_size)[0])
+        train = first if len(chunks) == 1 else ChunkedOrder(chunks)
     if valid is None:
-        raise ValueError(
+        raise BadInput(
             f"data.split: {cfg.data.split!r} leaves no validation data; give it a validation "
             "share or set data.valid"
         )
     return train, valid
+
+
+def _blend_sequences(pairs, seq_length: int) -> int:
+    """Sequences the blend's datasets hold together: a weighted blend's chunk size."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    tokens = sum(int(IndexedDataset(prefix).sequence_lengths.sum()) for _, prefix in pairs)
+    return max(1, (tokens - len(pairs)) // seq_length)
+
+
+class ChunkedOrder(torch.utils.data.Dataset):
+    """Equal-sized chunks end to end: global sample i is sample i mod n of chunk i div n."""
+
+    def __init__(self, chunks):
+        self.chunks = chunks
+        self.chunk_len = len(chunks[0])
+        assert all(len(c) == self.chunk_len for c in chunks), [len(c) for c in chunks]
+
+    def __len__(self):
+        return self.chunk_len * len(self.chunks)
+
+    def __getitem__(self, index):
+        chunk, within = divmod(index, self.chunk_len)
+        return self.chunks[chunk][within]
 
 
 def _check_split_nonempty(split: str, pairs) -> None:
@@ -143,12 +227,26 @@ def _check_split_nonempty(split: str, pairs) -> None:
         docs = len(IndexedDataset(prefix).document_indices) - 1
         for name, bounds in zip(("train", "validation"), matrix[:2]):
             if bounds is None:
-                raise ValueError(f"data.split: {split!r} gives no {name} share")
+                raise BadInput(f"data.split: {split!r} gives no {name} share")
             count = int(round(bounds[1] * docs)) - int(round(bounds[0] * docs))
             if count == 0:
-                raise ValueError(
+                working = _working_split(docs)
+                hint = (f"e.g. --set data.split={working} (one document for validation)"
+                        if working else "it has too few documents to split")
+                raise BadInput(
                     f"data.split: the {name} share of {split!r} holds no documents of {prefix} "
-                    f"({docs} documents); enlarge it or give data.valid")
+                    f"({docs} documents: megatron splits by document); {hint}, or give "
+                    "data.valid (a held-out dataset)")
+
+
+def _working_split(docs: int) -> Optional[str]:
+    """The split with the smallest validation share that still holds a document (and leaves
+    training the rest), in whole percent; None below two documents."""
+    for valid in range(1, 51):
+        train_end = int(round((100 - valid) / 100 * docs))
+        if 0 < train_end < docs:
+            return f"{100 - valid},{valid},0"
+    return None
 
 
 class MicroBatchSampler:

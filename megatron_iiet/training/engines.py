@@ -65,11 +65,17 @@ def layout() -> dict:
 
 
 def rng_state() -> dict:
+    """This rank's generators as tensors and plain values only, so that a resume reads them
+    with ``torch.load(weights_only=True)`` (a pickled object could run code when read)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": random.getstate(),  # (int, tuple of ints, float or None)
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
+                  float(cached)),
         "torch": torch.get_rng_state(),
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        # cudagraph-safe trackers keep torch.Generator objects: their state is a tensor
+        "tracker": {name: s.get_state() if isinstance(s, torch.Generator) else s
+                    for name, s in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
     }
     if platform.cuda_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -78,11 +84,35 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, *rest = state["numpy"]
+    keys = keys.numpy() if torch.is_tensor(keys) else keys  # ndarray in files before tensors
+    np.random.set_state((kind, keys.astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    current = tracker.get_states()
+    for name, saved in state["tracker"].items():
+        if isinstance(current.get(name), torch.Generator):
+            current[name].set_state(saved)
+        else:
+            current[name] = saved
+    tracker.set_states(current)
     if "cuda" in state and platform.cuda_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+# Checkpoints written before RNG files held tensors only pickled numpy's key array: the globals
+# rebuilding a plain uint32 array are the whole exception (torch's documented recipe).
+_LEGACY_RNG_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype,
+                       np.dtypes.UInt32DType]
+
+
+def read_rng_state(path: Path) -> dict:
+    """The RNG streams saved in ``path``, read with ``weights_only=True``: a file holding
+    anything else is a CheckpointError naming it, and nothing in it runs."""
+    from megatron_iiet.safe_pickle import load_data
+
+    with torch.serialization.safe_globals(_LEGACY_RNG_GLOBALS):
+        return load_data(path, path)
 
 
 def _rank() -> int:
@@ -94,9 +124,15 @@ def _rng_file(directory: Path) -> Path:
 
 
 def build_scheduler(cfg: TrainConfig, optimizer) -> OptimizerParamScheduler:
+    """The config's schedule. On resume only the step count comes from the checkpoint: a changed
+    schedule or LR takes effect, evaluated at the current step (as Megatron-LM's
+    --override-opt_param-scheduler and torchtitan's LR lambdas do), instead of megatron's default
+    of silently keeping the saved one."""
     s, o = cfg.schedule, cfg.optimizer
     return OptimizerParamScheduler(
         optimizer,
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
         init_lr=0.0,
         max_lr=o.lr,
         min_lr=o.min_lr,
@@ -112,7 +148,7 @@ def build_scheduler(cfg: TrainConfig, optimizer) -> OptimizerParamScheduler:
     )
 
 
-def _current_lr(optimizer) -> float:
+def current_lr(optimizer) -> float:
     return float(optimizer.param_groups[0]["lr"])
 
 
@@ -120,7 +156,7 @@ def _advance_schedule(scheduler, optimizer) -> float:
     """Set the learning rate of the update about to happen: update k (1-based) uses the
     schedule's value at k, so warm-up never spends its first step at lr 0."""
     scheduler.step(increment=1)
-    return _current_lr(optimizer)
+    return current_lr(optimizer)
 
 
 def _inner_torch_optimizers(optimizer):
@@ -187,7 +223,7 @@ class Engine:
         self.scheduler.load_state_dict(meta["scheduler"])
         rng_file = _rng_file(directory)
         if meta["layout"] == layout() and rng_file.is_file():
-            set_rng_state(torch.load(rng_file, weights_only=False))
+            set_rng_state(read_rng_state(rng_file))
         else:
             from megatron_iiet.distributed import seed_everything
 
@@ -267,7 +303,7 @@ class MegatronEngine(Engine):
         loss, terms = self._means(forward_backward(self.model, micro_batches,
                                                    objective=self.objective))
         if not math.isfinite(loss):
-            return StepResult(loss, None, True, _current_lr(self.optimizer), terms)
+            return StepResult(loss, None, True, current_lr(self.optimizer), terms)
         lr = _advance_schedule(self.scheduler, self.optimizer)
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:  # fp16 overflow: no update, so the schedule does not advance either
@@ -395,7 +431,7 @@ class DeepSpeedEngine(Engine):
             # boundary without an optimizer step: drop the accumulated (zeroed) gradients
             self.model.zero_grad()
             self.model.micro_steps += 1
-            return StepResult(mean, None, True, _current_lr(self.optimizer), terms)
+            return StepResult(mean, None, True, current_lr(self.optimizer), terms)
         lr = _advance_schedule(self.scheduler, self.optimizer)
         self.model.step()
         norm = self.model.get_global_grad_norm()

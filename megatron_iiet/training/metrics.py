@@ -9,6 +9,7 @@ import contextlib
 import json
 import math
 import resource
+import secrets
 import time
 from pathlib import Path
 from typing import Optional
@@ -44,15 +45,58 @@ def memory_mb() -> dict:
     return {"mem_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
+class WandbSink:
+    """Weights & Biases as one more sink of the records metrics.jsonl gets (rank 0 only).
+
+    The run id lives in the logging directory, so a resumed run continues the same W&B run;
+    ``offline`` writes under logging.dir/wandb for a later `wandb sync` (no network)."""
+
+    def __init__(self, root: Path, logging_cfg, config: Optional[dict]):
+        from megatron_iiet.errors import BadInput
+
+        try:
+            import wandb
+        except ImportError:
+            raise BadInput("logging.wandb_project is set but wandb is not installed "
+                           "(pip install wandb, or leave logging.wandb_project null)") from None
+        if logging_cfg.wandb_mode not in ("online", "offline"):
+            raise BadInput(f"logging.wandb_mode: {logging_cfg.wandb_mode!r} is not online or "
+                           "offline")
+        id_file = root / "wandb_run_id"
+        if id_file.is_file():
+            run_id = id_file.read_text().strip()
+        else:
+            from megatron_iiet.data.atomic import write_bytes_atomic
+
+            run_id = secrets.token_hex(8)
+            write_bytes_atomic(id_file, (run_id + "\n").encode())
+        self._run = wandb.init(project=logging_cfg.wandb_project, entity=logging_cfg.wandb_entity,
+                               name=logging_cfg.wandb_name or root.resolve().name, id=run_id,
+                               resume="allow", dir=str(root), mode=logging_cfg.wandb_mode,
+                               config=config)
+
+    def write(self, record: dict) -> None:
+        values = {f"{record['kind']}/{k}": v for k, v in record.items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool)
+                  and k not in ("step", "time")}
+        if values:
+            self._run.log(values, step=record["step"])
+
+    def close(self) -> None:
+        self._run.finish()
+
+
 class MetricsLogger:
     def __init__(self, log_dir: str, enabled: bool, total_steps: int, start_step: int,
-                 tensorboard: bool = True, progress_bar: bool = True):
+                 tensorboard: bool = True, progress_bar: bool = True, logging_cfg=None,
+                 run_config: Optional[dict] = None):
         self.enabled = enabled
         self.root = Path(log_dir)
         self.total_steps = total_steps
         self._bar = None
         self._tb = None
         self._jsonl = None
+        self._wandb = None
         if not enabled:
             return
         root = self.root
@@ -64,6 +108,8 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(root / "tensorboard"))
+        if logging_cfg is not None and logging_cfg.wandb_project:
+            self._wandb = WandbSink(root, logging_cfg, run_config)
         if progress_bar:
             from tqdm import tqdm
 
@@ -89,6 +135,8 @@ class MetricsLogger:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and k != "step" and v is not None:
                     self._tb.add_scalar(f"{record['kind']}/{k}", v, step)
+        if self._wandb is not None:
+            self._wandb.write(record)
 
     def event(self, kind: str, step: int, **fields) -> None:
         if self.enabled:
@@ -124,6 +172,8 @@ class MetricsLogger:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.close()
         if self._jsonl is not None:
             self._jsonl.close()
 

@@ -18,6 +18,7 @@ they treat it like a preemption signal instead.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from typing import Optional
@@ -74,6 +75,7 @@ class PreemptionHandler:
         self.reason: Optional[str] = None
         self._previous = {}
         self._launcher = launcher_pid()
+        self._raise: Optional[type] = None
 
     def __enter__(self):
         global _active, _fork_hook_registered
@@ -94,6 +96,26 @@ class PreemptionHandler:
 
     def _on_signal(self, signum, frame):
         self.received = signum
+        self._raise_if_received()
+
+    def _raise_if_received(self) -> None:
+        if self._raise is not None and self.received:
+            self.reason = self.reason or f"{signal.Signals(self.received).name} received"
+            raise self._raise(self.reason)
+
+    @contextlib.contextmanager
+    def raising(self, exc_type: Optional[type]):
+        """While inside, a preemption signal raises ``exc_type`` in the main thread at once (one
+        received before raises on entry); ``None`` suspends an enclosing one. Only around work
+        that runs no collective (lm-eval building its requests on rank 0), which may then be
+        left at any point without leaving another rank inside a collective."""
+        previous, self._raise = self._raise, exc_type
+        try:
+            self._raise_if_received()
+            yield
+        finally:
+            self._raise = previous
+        self._raise_if_received()  # a signal that came while suspended
 
     def _local_reason(self) -> tuple[int, Optional[str]]:
         """(code, reason): 0 nothing, 1 a signal, 2 the launcher is gone."""

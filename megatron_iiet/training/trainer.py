@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Optional
 
 import torch.distributed as dist
 
-from megatron_iiet.errors import BadInput, OperatorError
+from megatron_iiet.errors import BadInput
 from megatron_iiet.training.callbacks import (  # noqa: F401  (TooManySkippedSteps re-exported)
     Callback, CheckpointCallback, CheckpointRecords, ExitIntervalCallback, MetricsCallback,
     NonFiniteCallback, PreemptionCallback, StepEnd, TooManySkippedSteps, ValidationCallback)
@@ -38,10 +38,10 @@ class TrainSummary:
 class Trainer:
     """Runs ``engine`` from ``state`` to ``train_steps``; ``batches`` (a generator, closed at
     the end so that data-loader workers exit) yields each step's micro-batches, ``evaluate``
-    returns a validation loss."""
+    returns a validation loss (None: cut short by a preemption signal)."""
 
     def __init__(self, engine, state: TrainingState, batches: Iterator[list[dict]],
-                 evaluate: Callable[[], float], reporter, callbacks: list[Callback],
+                 evaluate: Callable[[], Optional[float]], reporter, callbacks: list[Callback],
                  train_steps: int, global_batch_size: int, meta_extra: dict,
                  checkpoint: Optional[str] = None):
         self.engine, self.state, self.batches = engine, state, batches
@@ -62,7 +62,7 @@ class Trainer:
         self.save_requested |= save
         self.preempted |= preempted
 
-    def evaluate(self) -> float:
+    def evaluate(self) -> Optional[float]:
         self.engine.train(False)
         try:
             return self._evaluate()
@@ -175,44 +175,37 @@ def train(cfg: TrainConfig, objective=None, callbacks: tuple[Callback, ...] = ()
     ``callbacks`` run after the built-in ones."""
     from megatron_iiet.distributed import initialize, on_rank0
     from megatron_iiet.training.signals import PreemptionHandler
+    from megatron_iiet.training.watchdog import collective_timeout_s
 
+    # Only OperatorErrors (BadInput, CheckpointError, ...) become one line: the input checks
+    # raise them, so a ValueError from torch or megatron is a bug and keeps its traceback.
     par = cfg.parallel
-    try:
-        initialize(par.tensor, par.pipeline, seed=cfg.seed)
-        if par.engine == "deepspeed":
-            from megatron_iiet.training.engines import init_deepspeed_distributed
+    initialize(par.tensor, par.pipeline, seed=cfg.seed,
+               timeout_s=collective_timeout_s(par.stall_timeout_s, par.collective_timeout_s))
+    if par.engine == "deepspeed":
+        from megatron_iiet.training.engines import init_deepspeed_distributed
 
-            init_deepspeed_distributed()
-        validate(cfg, dist.get_world_size())
-    except OperatorError:
-        raise
-    except ValueError as err:  # a layout or engine the config cannot have
-        raise BadInput(str(err)) from err
+        init_deepspeed_distributed()
+    validate(cfg, dist.get_world_size())
     # Installed first, so that every helper process started below leaves the signals to us.
     with PreemptionHandler() as preemption:
         locks = on_rank0(lambda: _lock_run_directories(cfg, dist.get_world_size()))
         locks = locks if dist.get_rank() == 0 else ()  # the others got copies: rank 0 holds them
         try:
-            try:
-                trainer = build_trainer(cfg, preemption, objective, list(callbacks))
-            except OperatorError:
-                raise
-            except ValueError as err:  # found before the first step: the input's fault
-                raise BadInput(str(err)) from err
-            return trainer.fit()
+            return build_trainer(cfg, preemption, objective, list(callbacks)).fit()
         finally:
             for lock in locks:
                 lock.release()
 
 
-def _task_evaluation(cfg: TrainConfig, tokenizer) -> Callback:
+def _task_evaluation(cfg: TrainConfig, tokenizer, preemption) -> Callback:
     """eval.tasks checked (names, data files) before anything is trained."""
     from megatron_iiet.distributed import on_rank0
     from megatron_iiet.eval.callback import TaskEvaluationCallback
     from megatron_iiet.eval.tasks import resolve_tasks
 
     tasks = on_rank0(lambda: resolve_tasks(cfg.eval.tasks, cfg.eval.tasks_data_dir))
-    return TaskEvaluationCallback(cfg.eval, tasks, tokenizer, cfg.data.seq_length)
+    return TaskEvaluationCallback(cfg.eval, tasks, tokenizer, cfg.data.seq_length, preemption)
 
 
 def build_trainer(cfg: TrainConfig, preemption, objective=None,
@@ -225,8 +218,10 @@ def build_trainer(cfg: TrainConfig, preemption, objective=None,
     from megatron_iiet.model.gpt import IIETGPTModel
     from megatron_iiet.model.sharding import init_layout_independent
     from megatron_iiet.training import checkpointing as ckpt
-    from megatron_iiet.training.data import build_datasets, micro_batch_loader, resolve_sources
-    from megatron_iiet.training.engines import build_engine
+    from megatron_iiet.training.data import (
+        ORDER_VERSION, build_datasets, micro_batch_loader, resolve_sources)
+    from megatron_iiet.training.resume import resume_point, samples_needed
+    from megatron_iiet.training.engines import build_engine, current_lr
     from megatron_iiet.training.metrics import MetricsLogger, Throughput, measured_peak_flops
 
     par = cfg.parallel
@@ -243,11 +238,14 @@ def build_trainer(cfg: TrainConfig, preemption, objective=None,
     model_config = build_model_config(cfg, padded_vocab_size(sources.tokenizer.vocab_size))
     root = Path(cfg.checkpoint_dir)
     load_path, overwritten, model_only = on_rank0(lambda: _resume_plan(cfg, root, say))
-    if load_path is not None:
-        ckpt.check_compatible(ckpt.read_meta(load_path), model_config,
+    saved_meta = ckpt.read_meta(load_path) if load_path is not None else None
+    if saved_meta is not None:
+        ckpt.check_compatible(saved_meta, model_config,
                               sources.tokenizer.fingerprint, load_path, par.engine, model_only)
-    task_callback = _task_evaluation(cfg, sources.tokenizer) if cfg.eval.tasks else None
-    train_ds, valid_ds = build_datasets(cfg, sources)
+    resume_at = resume_point(saved_meta, cfg, model_only, load_path)
+    task_callback = _task_evaluation(cfg, sources.tokenizer, preemption) if cfg.eval.tasks else None
+    total_samples = samples_needed(cfg, resume_at)
+    train_ds, valid_ds = build_datasets(cfg, sources, total_samples, resume_at.legacy_order)
     manager = ckpt.CheckpointManager(str(root), cfg.checkpoint.keep_last,
                                      cfg.checkpoint.async_save, replaces=overwritten, log=say)
 
@@ -270,18 +268,23 @@ def build_trainer(cfg: TrainConfig, preemption, objective=None,
         load_seconds = time.perf_counter() - t0
 
     reporter = MetricsLogger(cfg.logging.dir, rank == 0, cfg.schedule.train_steps, state.step,
-                             cfg.logging.tensorboard, cfg.logging.progress_bar)
+                             cfg.logging.tensorboard, cfg.logging.progress_bar, cfg.logging,
+                             cfg.to_dict())
     manager.log = reporter.message
     if load_path is not None:
         reporter.message(f"took the weights of {load_path} (fresh optimizer and schedule)"
                          if model_only else f"resumed from {load_path} at step {state.step}")
         reporter.event("resume", state.step, path=str(load_path), seconds=load_seconds,
-                       model_only=model_only)
+                       model_only=model_only, config_changes=resume_at.changes)
+        if resume_at.changes:
+            reporter.message("applied since the checkpoint: " + "; ".join(resume_at.changes)
+                             + f" (lr at step {state.step} now "
+                             f"{current_lr(engine.optimizer):.3g})")
 
     num_micro = par.global_batch_size // (par.micro_batch_size * dp)
     micro = micro_batch_loader(train_ds, state.consumed_samples, par.micro_batch_size, dp_rank,
                                dp, cfg.data.num_workers,
-                               total_samples=cfg.schedule.train_steps * par.global_batch_size)
+                               total_samples=total_samples)
 
     def batches():
         try:
@@ -290,10 +293,15 @@ def build_trainer(cfg: TrainConfig, preemption, objective=None,
         finally:
             micro.close()  # releases the loader, whose workers then exit
 
-    def evaluate() -> float:
+    def evaluate() -> Optional[float]:
         valid = micro_batch_loader(valid_ds, 0, par.micro_batch_size, dp_rank, dp, 0)
-        losses = [engine.eval_step([next(valid) for _ in range(num_micro)])
-                  for _ in range(cfg.eval.steps)]
+        losses = []
+        for _ in range(cfg.eval.steps):
+            # A long validation would outlast the launcher's grace period (torchrun: 30 s)
+            # and lose the save a preemption signal asks for: give way at once.
+            if preemption.stop_requested():
+                return None
+            losses.append(engine.eval_step([next(valid) for _ in range(num_micro)]))
         return sum(losses) / len(losses)
 
     seq = cfg.data.seq_length
@@ -306,6 +314,10 @@ def build_trainer(cfg: TrainConfig, preemption, objective=None,
         ValidationCallback(cfg.eval.interval),
         PreemptionCallback(preemption),
     ]
+    if par.stall_timeout_s:
+        from megatron_iiet.training.watchdog import StallWatchdog
+
+        callbacks.append(StallWatchdog(par.stall_timeout_s, Path(cfg.logging.dir) / "heartbeats"))
     if cfg.schedule.exit_interval:
         callbacks.append(ExitIntervalCallback(cfg.schedule.exit_interval))
     callbacks += [CheckpointRecords(cfg.checkpoint.async_save),
@@ -315,7 +327,8 @@ def build_trainer(cfg: TrainConfig, preemption, objective=None,
                   *([distill_callback] if distill_callback else []), *(extra_callbacks or ())]
     meta_extra = {"config": cfg.to_dict(), "tokenizer_fingerprint": sources.tokenizer.fingerprint,
                   "tokenizer": str(Path(sources.tokenizer.path).resolve()),
-                  "architecture": ckpt.architecture_signature(model_config)}
+                  "architecture": ckpt.architecture_signature(model_config),
+                  **({} if resume_at.legacy_order else {"data_order": ORDER_VERSION})}
     return Trainer(engine, state, batches(), evaluate, reporter, callbacks,
                    cfg.schedule.train_steps, par.global_batch_size, meta_extra,
                    checkpoint=str(load_path) if load_path is not None else None)

@@ -183,3 +183,41 @@ def test_garbled_latest_pointer_is_refused_naming_the_file(checkpoints, tmp_path
     assert_refused(run_cli("megatron-to-hf", root, tmp_path / "out"),
                    f"{root / 'latest'}: not a checkpoint pointer", f"found {found})")
     assert_nothing_written(tmp_path / "out")
+
+
+# ---- issue 28, case 6: a planted pickle is refused and does not run; case 14: an older
+# checkpoint's legacy tokenizer fingerprint still exports --------------------------------------
+def test_megatron_to_hf_refuses_a_planted_metadata_pickle_without_running_it(checkpoints,
+                                                                              tmp_path):
+    import pickle
+
+    from tests.training.faults import Payload, forge_manifest
+
+    root = copy_checkpoint(checkpoints, "vanilla-tp1", tmp_path)
+    ckpt = root / "iter_0000007"
+    marker = tmp_path / "payload-ran"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    forge_manifest(ckpt)
+    assert_refused(run_cli("megatron-to-hf", root, tmp_path / "out"),
+                   f"{ckpt / '.metadata'}: refusing to unpickle it")
+    assert not marker.exists(), "the planted code ran"
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_a_checkpoint_with_the_legacy_tokenizer_fingerprint_exports(checkpoints, corpus, tmp_path):
+    from megatron_iiet.data.tokenizer import Tokenizer
+    from megatron_iiet.hf.megatron_to_hf import resolve_tokenizer
+
+    root = copy_checkpoint(checkpoints, "vanilla-tp1", tmp_path)
+    meta_file = root / "iter_0000007" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    tokenizer = Tokenizer.from_path(corpus.tokenizer_model)
+    assert meta["tokenizer_fingerprint"] == tokenizer.fingerprint
+    meta["tokenizer_fingerprint"] = tokenizer.legacy_fingerprint  # as versions before recorded
+    meta_file.write_text(json.dumps(meta))
+    proc = run_cli("megatron-to-hf", root, tmp_path / "out", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert Tokenizer.from_path(tmp_path / "out").fingerprint == tokenizer.fingerprint
+    with pytest.raises(ValueError, match="is not the one the checkpoint was trained with"):
+        resolve_tokenizer({**meta, "tokenizer_fingerprint": "spm-sha256:another"}, None,
+                          meta_file.parent)

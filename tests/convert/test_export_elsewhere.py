@@ -116,8 +116,26 @@ def test_model_card_snippet_runs_without_a_prompt(old_export, tmp_path):
     assert PROMPT not in child.stdout + child.stderr
     assert "model: IIETForCausalLM" in child.stdout
     assert f"tokenizer: {TOKENIZER_VOCAB} " in child.stdout and "def main():" in child.stdout
-    # What the check guards against: the same load without trust_remote_code reaches the prompt.
-    old = snippet.replace("AutoTokenizer.from_pretrained(folder, trust_remote_code=True)",
-                          "AutoTokenizer.from_pretrained(folder)")
+    # What the check guards against: the same loads without the package's classes registered
+    # (and without trust_remote_code) reach the prompt.
+    old = snippet.replace("import megatron_iiet.hf", "pass")
     assert old != snippet
     assert PROMPT in run_snippet(old, folder, tmp_path).stdout
+
+
+def test_model_card_snippet_runs_no_code_from_the_folder(old_export, tmp_path):
+    """The card's snippet uses the installed package's classes: a tampered copy of the folder
+    runs nothing. The card says what trust_remote_code=True would run instead."""
+    proc, exported = old_export
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    folder = Path(shutil.copytree(exported, tmp_path / "copy"))
+    marker = tmp_path / "ran.txt"
+    for code in folder.glob("*.py"):
+        code.write_text(code.read_text() + f"\nopen({str(marker)!r}, 'a').write(__name__)\n")
+    child = run_snippet(card_snippet(folder), folder, tmp_path)
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert "model: IIETForCausalLM" in child.stdout
+    assert not marker.exists(), marker.read_text()
+    card = (folder / "README.md").read_text()
+    assert "trust_remote_code=True" not in card_snippet(folder)
+    assert "trust_remote_code=True" in card and "runs this folder's own" in card

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -139,3 +140,45 @@ def test_train_tokenizer_cli_help_and_bad_input(tmp_path):
     assert bad.returncode != 0
     assert "nope.jsonl: no such file or directory" in bad.stderr
     assert not (tmp_path / "o").exists()
+
+
+def _reordered_merges(model: Path, out: Path) -> Path:
+    """A copy of the BPE model at ``model`` with the same pieces in the same ids, but two merges
+    ranked the other way round (their scores swapped)."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model.read_bytes())
+    merged = [p for p in proto.pieces if p.type == 1 and len(p.piece) >= 2]
+    first, last = merged[0], merged[-1]
+    first.score, last.score = last.score, first.score
+    out.write_bytes(proto.SerializeToString())
+    return out
+
+
+def test_fingerprint_tells_merge_orders_apart_and_still_accepts_the_legacy_one(
+        small_tokenizer, tmp_path):
+    from megatron_iiet.data import indexed_io
+    from megatron_iiet.data.blend import validate_blend
+    from megatron_iiet.data.tokenizer import fingerprint_matches
+    from tests.data.helpers import preprocess, write_jsonl
+
+    sp = Tokenizer.from_path(small_tokenizer)
+    other = Tokenizer.from_path(_reordered_merges(small_tokenizer, tmp_path / "other.model"))
+    assert other.pieces() == sp.pieces()
+    assert other.legacy_fingerprint == sp.legacy_fingerprint  # what versions before recorded
+    assert other.fingerprint != sp.fingerprint
+    # a dataset of an earlier version records the legacy fingerprint: still this tokenizer's
+    source = write_jsonl(tmp_path / "in.jsonl", [f"document {i} " * 5 for i in range(20)])
+    dataset = preprocess([source], small_tokenizer, str(tmp_path / "ds" / "data")).outputs[0]
+    meta = indexed_io.read_meta(dataset)
+    assert meta["tokenizer"]["fingerprint"] == sp.fingerprint
+    meta["tokenizer"]["fingerprint"] = sp.legacy_fingerprint
+    indexed_io.write_json_atomic(indexed_io.meta_path(dataset), meta)
+    assert validate_blend(dataset, expected_fingerprint=sp.fingerprint) == [(1.0, dataset)]
+    assert fingerprint_matches(sp.legacy_fingerprint, sp.fingerprint)
+    assert not fingerprint_matches(other.fingerprint, sp.fingerprint)
+    meta["tokenizer"]["fingerprint"] = other.fingerprint
+    indexed_io.write_json_atomic(indexed_io.meta_path(dataset), meta)
+    with pytest.raises(ValueError, match=f"made with tokenizer {other.fingerprint}"):
+        validate_blend(dataset, expected_fingerprint=sp.fingerprint)

@@ -1,9 +1,11 @@
 """tools/evaluate.py end to end on the tiny checkpoint (native backend at TP=2) and on its export
 (lm-eval's hf backend): the same metrics, results.json and the paper-layout table; bad input in
-one line with exit 2."""
+one line with exit 2; one writer per --output, earlier results kept; no code from an --hf
+folder runs unless --trust-remote-code."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -14,12 +16,12 @@ from tests.eval.conftest import REPO, require_task_data
 TASKS = "lambada_openai,piqa,wikitext"  # last-word accuracy, multiple choice, rolling perplexity
 
 
-def run_tool(*args, nproc=1, timeout=600):
+def run_tool(*args, nproc=1, timeout=600, env=None):
     tool = [str(REPO / "tools" / "evaluate.py"), *map(str, args)]
     cmd = ([sys.executable, *tool] if nproc == 1 else
            [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={nproc}", *tool])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -85,3 +87,61 @@ def test_missing_data_file_and_missing_model_are_one_line(tmp_path, capsys):
                         "--output", tmp_path / "out")
         assert "nowhere" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_existing_results_are_kept_unless_overwrite(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    earlier = '{"results": {"piqa": {"acc,none": 0.5}}}'
+    (out / "results.json").write_text(earlier)
+    line = _refused(capsys, "--hf", tmp_path / "nowhere", "--tasks", "piqa", "--output", out)
+    assert f"{out / 'results.json'}: exists" in line and "--overwrite" in line, line
+    # --overwrite lets it past that check (and the run then fails on the missing model or task
+    # data, writing nothing).
+    line = _refused(capsys, "--hf", tmp_path / "nowhere", "--tasks", "piqa", "--output", out,
+                    "--overwrite")
+    assert "exists" not in line, line
+    assert (out / "results.json").read_text() == earlier
+
+
+def test_a_second_evaluation_into_the_same_output_refuses_at_once(tmp_path):
+    """This test process holds the output's lock as a running evaluation's writer does (the
+    same call, a live process), so the refusal does not depend on how long a real one takes."""
+    from megatron_iiet.locks import exclusive_output
+
+    out = tmp_path / "out"
+    with exclusive_output(out, "another evaluation writing these results", "wait"):
+        proc = run_tool("--hf", tmp_path / "nowhere", "--tasks", "piqa", "--output", out)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert f"{out}: busy" in lines[0] and f"pid {os.getpid()}" in lines[0], lines[0]
+    assert not out.exists() and not (tmp_path / "out.lock").exists()
+
+
+PAYLOAD = "\nimport pathlib as _p\n_p.Path({marker!r}).open('a').write(__name__ + '\\n')\n"
+
+
+@pytest.mark.distributed  # the exported fixture is trained by 2 spawned ranks
+def test_hf_backend_runs_no_code_from_the_folder_unless_asked(exported, tmp_path, capsys):
+    require_task_data()
+    folder = shutil.copytree(exported, tmp_path / "planted")
+    marker = tmp_path / "ran.txt"
+    for code in folder.glob("*.py"):  # what a tampered copy of an export would carry
+        code.write_text(code.read_text() + PAYLOAD.format(marker=str(marker)))
+    common = ("--tasks", "lambada_openai", "--limit", 2, "--max-length", 512,
+              "--hf", folder)
+    env = {"HF_HOME": str(tmp_path / "hf_home")}  # transformers' copy of remote code goes here
+    proc = run_tool(*common, "--output", tmp_path / "out", env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert not marker.exists(), marker.read_text()
+    assert "lambada_openai" in json.loads((tmp_path / "out" / "results.json").read_text())["results"]
+    # A model whose class only the folder's code defines: one line naming the flag, which then
+    # runs that code (for a model_type this package registers, its own classes still win).
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "someone_elses"}))
+    line = _refused(capsys, *common, "--output", tmp_path / "other")
+    assert "someone_elses" in line and "--trust-remote-code" in line, line
+    assert not marker.exists()
+    proc = run_tool(*common, "--output", tmp_path / "remote", "--trust-remote-code", env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "modeling_iiet" in marker.read_text()

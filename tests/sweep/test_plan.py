@@ -106,6 +106,17 @@ def test_the_cli_says_it_in_one_line_and_exits_2(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_key_given_twice_is_refused_naming_it_and_its_line(tmp_path):
+    from megatron_iiet.sweep.plan import plan_sweep
+
+    path = write_sweep(tmp_path)
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines + ["tokens: [4096]"]) + "\n")  # yaml.safe_load kept this one
+    with pytest.raises(ValueError) as err:
+        plan_sweep(path, flops_per_second=1e9)
+    assert f"line {len(lines) + 1}: duplicate key 'tokens'" in str(err.value), str(err.value)
+
+
 @pytest.mark.parametrize("name,runs", [("cpu_ladder", 59), ("paper_340m_1.3b", 63)])
 def test_the_example_sweeps_plan(name, runs):
     """The shipped ladders plan anywhere (no data, no GPU needed to plan)."""

@@ -88,3 +88,27 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+class Payload:
+    """Unpickling it creates ``marker``: planted code that reading a checkpoint must never run."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch '{self.marker}'",))
+
+
+def forge_manifest(ckpt: Path) -> None:
+    """Re-record the manifest (sizes, checksums) of ``ckpt`` for its files as they are now, as
+    whoever planted a file and rewrote meta.json would: only reading the pickles can catch it."""
+    import json
+
+    from megatron_iiet.training.checkpoint_index import (
+        CHECKSUMS_KEY, MANIFEST_KEY, checksum_record, checksums, manifest)
+
+    meta = json.loads((ckpt / "meta.json").read_text())
+    files = manifest(ckpt)
+    meta.update({MANIFEST_KEY: files, CHECKSUMS_KEY: checksum_record(checksums(ckpt, list(files)))})
+    (ckpt / "meta.json").write_text(json.dumps(meta))

@@ -21,11 +21,11 @@ def _install(marker: Path, seconds: float) -> None:
 
     publish = CheckpointManager._publish
 
-    def paused(self, meta, partial, final):
+    def paused(self, meta, partial, final, *rest):
         if not marker.exists():
             marker.write_text(str(partial))
             time.sleep(seconds)
-        return publish(self, meta, partial, final)
+        return publish(self, meta, partial, final, *rest)
 
     CheckpointManager._publish = paused
 

@@ -1,6 +1,7 @@
 """Bad input is reported in one line, with exit code 2, before any training step."""
 
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -53,3 +54,22 @@ def test_mixed_precision_megatron_engine_needs_cuda(tiny_data, tmp_path):
         pytest.skip("CUDA present: the megatron engine supports bf16 here")
     proc = launch(base_overrides(tiny_data, tmp_path, **{"parallel.precision": "bf16"}))
     _fails_before_training(proc, tmp_path, "parallel.precision", "deepspeed")
+
+
+@pytest.mark.parametrize("kind", ["bug", "bad_input"])
+def test_only_operator_errors_lose_their_traceback(tiny_data, tmp_path, kind):
+    """A ValueError from inside the build (a bug in our code, torch or megatron) keeps its
+    traceback; an input check's BadInput is one line. Neither leaves the run lock behind."""
+    from megatron_iiet.locks import DIRECTORY_LOCK
+    from tests.training.faults import one_line_error
+
+    log = tmp_path / "run"
+    entry = [str(Path(__file__).with_name("raise_in_build.py")), kind]
+    proc = launch(base_overrides(tiny_data, log), entry=entry)
+    if kind == "bug":
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        assert "Traceback" in proc.stderr and "ValueError: simulated bug" in proc.stderr
+        assert "error: simulated bug" not in proc.stderr
+    else:
+        one_line_error(proc, "parallel.engine: simulated input check")
+    assert not records(log, "train") and not (log / DIRECTORY_LOCK).exists()

@@ -1,4 +1,5 @@
-"""Checkpoints survive operator mistakes and broken files (issue 9, cases 1, 2, 10, 11, 13, 14).
+"""Checkpoints survive operator mistakes and broken files (issue 9, cases 1, 2, 10, 11, 13, 14;
+issue 28, cases 5, 6, 12, 14).
 
 One reference run (10 steps, a checkpoint every 2, keep_last 3: iter_6, iter_8, iter_10) is
 copied and damaged in each test; a resume must continue from the newest complete checkpoint
@@ -6,18 +7,22 @@ with losses bit-identical to the reference, or stop with one line and exit 2; no
 saved is deleted.
 """
 
+import io
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_iiet.training.checkpoint_index import (
     CheckpointError, defect, newest_complete, read_latest, resolve_checkpoint)
 from megatron_iiet.training.checkpointing import CheckpointManager
 from tests.training.conftest import base_overrides, check_ok, launch, records, train_losses
-from tests.training.faults import copy_checkpoints, listing, one_line_error, tmpfs
+from tests.training.faults import (
+    Payload, copy_checkpoints, forge_manifest, listing, one_line_error, tmpfs)
 
 SAVES = {"schedule.train_steps": 10, "checkpoint.save_interval": 2, "checkpoint.keep_last": 3}
 ALL_SAVES = ["iter_0000006", "iter_0000008", "iter_0000010", "latest"]
@@ -217,3 +222,90 @@ def test_read_only_checkpoint_directory_is_one_line_before_training(tiny_data, t
             "checkpoint.dir": str(disk)}))
         one_line_error(proc, f"cannot write to {disk}: read-only file system")
     assert not records(tmp_path / "run", "train")
+
+
+# ---- issue 28, cases 5, 6, 12, 14: nothing read from a checkpoint runs; a changed byte is found;
+# older checkpoints (no checksums, numpy RNG arrays, the legacy tokenizer fingerprint) resume --
+
+def _newest_copy(reference, tmp_path) -> tuple[Path, Path]:
+    run = copy_checkpoints(reference, tmp_path / "run")
+    return run, run / "checkpoints" / "iter_0000010"
+
+
+@pytest.mark.parametrize("planted", ["rng/rank0.pt", ".metadata"])
+def test_a_planted_pickle_is_refused_at_resume_and_does_not_run(
+        tiny_data, reference, tmp_path, planted):
+    run, newest = _newest_copy(reference, tmp_path)
+    marker = tmp_path / "payload-ran"
+    if planted == ".metadata":  # torch's reader would pickle.load it
+        (newest / planted).write_bytes(pickle.dumps(Payload(marker)))
+    else:  # read with weights_only=False before
+        torch.save({**torch.load(newest / planted, weights_only=True),
+                    "python": Payload(marker)}, newest / planted)
+    forge_manifest(newest)
+    proc = _resume(tiny_data, run, **{"schedule.train_steps": 12})
+    one_line_error(proc, f"{newest / planted}: refusing to unpickle it")
+    assert not marker.exists(), "the planted code ran"
+
+
+def test_planted_pickles_megatron_reads_are_refused_before_it_reads_them(reference, tmp_path):
+    """The bytes items of *.distcp (torch's planner: weights_only=False) and common.pt."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from megatron_iiet.safe_pickle import read_dcp_metadata
+    from megatron_iiet.training.checkpointing import verify_for_load
+
+    marker = tmp_path / "payload-ran"
+    payload = io.BytesIO()
+    torch.save(Payload(marker), payload)
+    _, ckpt = _newest_copy(reference, tmp_path / "item")
+    metadata = read_dcp_metadata(ckpt)
+    item = next(i for i in metadata.storage_data
+                if isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata))
+    (ckpt / "__9_0.distcp").write_bytes(payload.getvalue())
+    metadata.storage_data[item] = _StorageInfo("__9_0.distcp", 0, len(payload.getvalue()))
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    forge_manifest(ckpt)
+    with pytest.raises(CheckpointError, match=rf"__9_0.distcp \({item.fqn}\): refusing to unpickle"):
+        verify_for_load(ckpt)
+    _, ckpt = _newest_copy(reference, tmp_path / "common")
+    (ckpt / "common.pt").write_bytes(payload.getvalue())
+    forge_manifest(ckpt)
+    with pytest.raises(CheckpointError, match=r"common.pt: refusing to unpickle"):
+        verify_for_load(ckpt)
+    assert not marker.exists(), "the planted code ran"
+
+
+def test_a_same_size_change_inside_a_shard_fails_the_load_naming_it(tiny_data, reference, tmp_path):
+    run, newest = _newest_copy(reference, tmp_path)
+    shard = sorted(newest.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    assert defect(newest) is None  # sizes alone cannot see it
+    proc = _resume(tiny_data, tmp_path / "other", **{"checkpoint.load": str(newest)})
+    one_line_error(proc, f"{shard}: altered since it was saved")
+
+
+def test_a_checkpoint_of_the_previous_format_resumes_exactly(tiny_data, reference, tmp_path):
+    """No checksums, numpy's RNG keys as a pickled ndarray, the legacy tokenizer fingerprint."""
+    import numpy as np
+
+    from megatron_iiet.data.tokenizer import Tokenizer
+    from megatron_iiet.training.checkpoint_index import CHECKSUMS_KEY, manifest
+
+    run = copy_checkpoints(reference, tmp_path / "run")
+    shutil.rmtree(run / "checkpoints" / "iter_0000010")
+    older = run / "checkpoints" / "iter_0000008"
+    rng = older / "rng" / "rank0.pt"
+    state = torch.load(rng, weights_only=True)
+    kind, keys, *rest = state["numpy"]
+    torch.save({**state, "numpy": (kind, keys.numpy().astype(np.uint32), *rest)}, rng)
+    meta = json.loads((older / "meta.json").read_text())
+    assert meta.pop(CHECKSUMS_KEY)
+    tokenizer = Tokenizer.from_path(tiny_data.tokenizer_model)
+    assert meta["tokenizer_fingerprint"] == tokenizer.fingerprint != tokenizer.legacy_fingerprint
+    meta.update(files=manifest(older), tokenizer_fingerprint=tokenizer.legacy_fingerprint)
+    (older / "meta.json").write_text(json.dumps(meta))
+    _resumed_exactly(_resume(tiny_data, run), run, reference, 8)
