@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sustained FLOP/s per run for time estimates (default: measured)")
         if name == "plan":
             s.add_argument("--dry-run", action="store_true", help="print the table only")
+            s.add_argument("--measure", action="store_true",
+                           help="time the smallest run for a few steps here and estimate every "
+                                "run from that (start-up included); default: a rough FLOP rate")
         if name == "launch":
             s.add_argument("--nproc", type=int, default=1, help="processes per run (torchrun)")
             s.add_argument("--jobs", type=int, default=1,
@@ -93,6 +96,19 @@ def run(args) -> int:
     except ValueError as err:
         raise OperatorError(f"{args.sweep}: {err}") from None
     if args.command == "plan":
+        if args.measure:
+            import dataclasses
+
+            from megatron_iiet.sweep.runner import calibrate
+
+            try:
+                pace = calibrate(plan)
+            except RuntimeError as err:
+                raise OperatorError(str(err)) from None
+            print(f"measured: {pace.seconds_per_flop * 1e12:.3g} s per TFLOP at the smallest "
+                  f"run, {pace.overhead_s:.0f} s per run besides its steps")
+            plan.runs[:] = [dataclasses.replace(r, estimated_seconds=pace.estimate(r))
+                            for r in plan.runs]
         print(plan_table(plan))
         if not args.dry_run:
             from megatron_iiet.data.atomic import write_bytes_atomic
@@ -163,12 +179,19 @@ def _fit(plan, args) -> int:
     suffix = f"_{args.valid}" if args.valid else ""
     fit.plot_loss_vs_flops(rows, sweep_fit, out / f"loss_vs_flops{suffix}.png")
     fit.plot_loss_vs_tokens(rows, out / f"loss_vs_tokens{suffix}.png")
-    fit.plot_residuals(rows, sweep_fit, out / f"residuals{suffix}.png")
+    unfitted = [a for a in sweep_fit.architectures.values() if a.fit is None]
+    if len(unfitted) == len(sweep_fit.architectures):  # no law: a residual plot would be empty
+        print("no scaling law could be fitted: " + "; ".join(f"{a.architecture}: {a.reason}"
+                                                             for a in unfitted))
+    else:
+        fit.plot_residuals(rows, sweep_fit, out / f"residuals{suffix}.png")
     text = ("## Loss at equal tokens (each cell at its best LR)\n\n" + comparison + "\n"
             + fit.report_markdown(rows, sweep_fit))
     write_bytes_atomic(out / f"fit{suffix}.md", text.encode())
     print(text)
-    print(f"wrote {out}/fit{suffix}.md and the PNG plots")
+    plots = "loss_vs_flops, loss_vs_tokens" + ("" if len(unfitted) == len(sweep_fit.architectures)
+                                                else ", residuals")
+    print(f"wrote {out}/fit{suffix}.md and the PNG plots ({plots})")
     return 0
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import statistics
 from typing import Any, Mapping, Sequence
 
+from megatron_iiet.sweep.plan import tokens_tag
+
 Rows = Sequence[Mapping[str, Any]]
 
 
@@ -65,7 +67,7 @@ def equal_tokens_table(rows: Rows, losses: Mapping[str, str]) -> str:
 
     for (size, tokens), by_arch in sorted(cells.items(), key=order):
         params = [float(runs[0]["params"]) for runs in by_arch.values()]
-        line = [str(size), f"{min(params) / 1e6:.3f}M", f"{tokens / 1e6:.1f}M"]
+        line = [str(size), f"{min(params) / 1e6:.3f}M", tokens_tag(tokens)]
         for key in losses.values():
             for arch in architectures:
                 values = [r[key] for r in by_arch.get(arch, []) if r.get(key) is not None]

@@ -5,7 +5,8 @@ another or ``jobs`` at a time (the cores shared out between them), phase 1 first
 the grid), then phase 2 with the grid's best LR per architecture carried by the plan's rule. It
 is idempotent: a run whose metrics say it finished is skipped, an unfinished one is started
 again and resumes from its newest checkpoint (every run saves every quarter of its schedule
-unless the sweep says otherwise). ``task`` picks one run of a phase (a SLURM array task).
+unless the sweep says otherwise). ``task`` picks one run of a phase (a SLURM array task). Runs
+end with their launcher, even one killed with -9 (they save their step first, on Linux).
 
 ``collect`` reads every run's metrics.jsonl: status, final training and validation loss, the
 validation curve, and optionally the loss of the final checkpoint on extra validation sets;
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from megatron_iiet.lifetime import terminate_with_parent
 from megatron_iiet.sweep.plan import RunPlan, SweepPlan, run_overrides
 
 REPO = Path(__file__).resolve().parents[2]
@@ -106,10 +108,12 @@ def check_same_lr(plan: SweepPlan, run: RunPlan, lr: float, status: str) -> None
                          "to run it again")
 
 
-def _command(plan: SweepPlan, run: RunPlan, lr: float, nproc: int) -> list[str]:
+def _command(plan: SweepPlan, run: RunPlan, lr: float, nproc: int,
+             extra: tuple[str, ...] = ()) -> list[str]:
     sets = run_overrides(run, lr, plan.spec.lr.min_lr_ratio)
     if "checkpoint.save_interval" not in plan.spec.set:
         sets.append(f"checkpoint.save_interval={max(1, run.train_steps // 4)}")
+    sets += extra  # later --set wins
     head = ([sys.executable] if nproc == 1 else
             [sys.executable, "-m", "torch.distributed.run", "--standalone",
              f"--nproc-per-node={nproc}"])
@@ -117,6 +121,57 @@ def _command(plan: SweepPlan, run: RunPlan, lr: float, nproc: int) -> list[str]:
     for s in sets:
         args += ["--set", s]
     return args
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """This machine's pace on the sweep, measured by running its smallest run for a few steps:
+    seconds per training FLOP at that size, and the fixed cost of a run (start-up, data indices,
+    validation, checkpoints). Small models are far below the GEMM rate, so a rate derived from
+    a matmul under-estimates a CPU ladder by orders of magnitude."""
+
+    seconds_per_flop: float
+    overhead_s: float
+
+    def estimate(self, run: RunPlan) -> float:
+        return self.overhead_s + run.total_flops * self.seconds_per_flop
+
+
+MEASURED_STEPS = 6
+
+
+def calibrate(plan: SweepPlan, nproc: int = 1, scratch: Optional[Path] = None) -> Calibration:
+    """Run the sweep's smallest run (by FLOPs) for MEASURED_STEPS steps into ``scratch`` (a
+    temporary folder by default) and time it: the median step after the first two gives the
+    seconds per FLOP, the rest of the wall time the per-run overhead."""
+    import shutil
+    import statistics
+    import tempfile
+
+    run = min(plan.runs, key=lambda r: r.total_flops)
+    folder = Path(scratch or tempfile.mkdtemp(prefix="sweep_calibration_"))
+    steps = min(MEASURED_STEPS, run.train_steps)
+    cmd = _command(plan, run, run.lr or 1e-3, nproc, extra=(
+        f"schedule.train_steps={steps}", f"schedule.warmup_steps={max(1, steps // 3)}",
+        f"logging.dir={folder / 'run'}", "checkpoint.dir=null", "checkpoint.save_interval=0",
+        "checkpoint.load=null", "logging.progress_bar=false", "logging.tensorboard=false",
+        "logging.log_interval=1", f"data.cache_dir={folder / 'cache'}"))
+    started = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        wall = time.perf_counter() - started
+        if proc.returncode != 0:
+            tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise RuntimeError(f"calibration run {run.name} failed: {tail}")
+        step_s = [r["step_s"] for r in _records(folder / "run") if r.get("kind") == "train"]
+    finally:
+        if scratch is None:
+            shutil.rmtree(folder, ignore_errors=True)
+    per_step = statistics.median(step_s[2:] or step_s)
+    step_flops = run.total_flops / run.train_steps
+    # the measured run's own validation and save happen once, as in every run
+    return Calibration(per_step / step_flops, max(0.0, wall - sum(step_s)))
 
 
 def phase_runs(plan: SweepPlan, phase: int) -> list[RunPlan]:
@@ -134,6 +189,7 @@ def launch(plan: SweepPlan, *, nproc: int = 1, phase: Optional[int] = None,
            say: Callable[[str], None] = print) -> int:
     """Run what is not finished, `jobs` runs at a time; returns how many runs it started."""
     started = 0
+    finished: list[tuple[RunPlan, float]] = []  # this launch's, for the ETA
     for current in (1, 2):
         if phase is not None and current != phase:
             continue
@@ -164,7 +220,10 @@ def launch(plan: SweepPlan, *, nproc: int = 1, phase: Optional[int] = None,
                 continue
             todo.append((run, f"{'resume' if status == 'partial' else 'start'} {run.name} "
                               f"({run.train_steps} steps, lr {lr:.3g})", cmd))
-        started += _run_all(plan, todo, jobs, _threads_per_run(jobs, nproc), say)
+        later = [] if phase is not None else [
+            r for r in phase_runs(plan, 2) if current == 1 and run_status(plan, r) != "finished"]
+        started += _run_all(plan, todo, jobs, _threads_per_run(jobs, nproc), say, finished,
+                            later)
     return started
 
 
@@ -176,10 +235,13 @@ def _threads_per_run(jobs: int, nproc: int) -> Optional[int]:
 
 
 def _run_all(plan: SweepPlan, todo, jobs: int, threads: Optional[int],
-             say: Callable[[str], None]) -> int:
+             say: Callable[[str], None], finished: list[tuple[RunPlan, float]],
+             later: list[RunPlan]) -> int:
     """Start the runs in order, at most `jobs` at once. A failed or preempted run lets the others
     that are running finish (or save) and starts no new one; then the first problem is raised."""
     running: dict[subprocess.Popen, tuple[RunPlan, Path]] = {}
+    started_at: dict[subprocess.Popen, float] = {}
+    pending: list = []
     problems: list[Exception] = []
     received: list[int] = []
     started = 0
@@ -192,6 +254,10 @@ def _run_all(plan: SweepPlan, todo, jobs: int, threads: Optional[int],
 
     def reap(proc: subprocess.Popen) -> None:
         run, log = running.pop(proc)
+        if proc.returncode == 0 and not received:
+            finished.append((run, time.perf_counter() - started_at.pop(proc)))
+            say(_progress_line(plan, run, finished, [r for r, *_ in pending]
+                               + [r for r, _ in running.values()] + later, jobs))
         if received:
             problems.append(Stopped(f"{run.name}: stopped by {signal.Signals(received[0]).name} "
                                     "(the run saved a checkpoint; launch again to resume it)"))
@@ -204,7 +270,7 @@ def _run_all(plan: SweepPlan, todo, jobs: int, threads: Optional[int],
         env["OMP_NUM_THREADS"] = str(threads)
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
-        pending = list(todo)
+        pending[:] = todo
         while pending or running:
             while pending and len(running) < max(1, jobs) and not problems and not received:
                 run, message, cmd = pending.pop(0)
@@ -212,9 +278,13 @@ def _run_all(plan: SweepPlan, todo, jobs: int, threads: Optional[int],
                 run_dir(plan, run).mkdir(parents=True, exist_ok=True)
                 log = run_dir(plan, run) / "launch.log"
                 with open(log, "a") as out:
+                    # A launcher killed with -9 forwards nothing: its run would train on
+                    # unobserved. The kernel sends the run SIGTERM instead (on Linux): it saves
+                    # its step and stops, and the next launch resumes it.
                     proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                            env=env)
+                                            env=env, preexec_fn=terminate_with_parent(os.getpid()))
                 running[proc] = (run, log)
+                started_at[proc] = time.perf_counter()
                 started += 1
             if problems or received:
                 pending.clear()
@@ -229,6 +299,22 @@ def _run_all(plan: SweepPlan, todo, jobs: int, threads: Optional[int],
     if problems:
         raise problems[0]
     return started
+
+
+def _progress_line(plan: SweepPlan, run: RunPlan, finished: list[tuple[RunPlan, float]],
+                   left: list[RunPlan], jobs: int) -> str:
+    """`done RUN: valid loss, time; k runs done, n left, ETA`: the ETA prices the runs left at
+    the seconds per FLOP this launch's finished runs took (with their start-up included)."""
+    from megatron_iiet.sweep.plan import duration_text
+
+    result = run_result(plan, run)
+    loss = result["valid_loss"]
+    seconds = finished[-1][1]
+    pace = sum(t for _, t in finished) / max(1.0, sum(r.total_flops for r, _ in finished))
+    eta = sum(r.total_flops for r in left) * pace / max(1, jobs)
+    return (f"done {run.name}: valid loss {'-' if loss is None else f'{loss:.4f}'}, "
+            f"{duration_text(seconds)}; {len(finished)} done, {len(left)} left"
+            + (f", ETA {duration_text(eta)}" if left else ""))
 
 
 class Stopped(RuntimeError):
@@ -307,7 +393,9 @@ def run_result(plan: SweepPlan, run: RunPlan) -> dict:
         else None,
         "train_loss": train[-1]["loss"] if train else None,
         "loss_curve": [(r["step"] * per_step, r["loss"]) for r in valid],
-        "steps_done": train[-1]["step"] if train else 0,
+        # a finished run's last step, whatever the log interval (its end record says)
+        "steps_done": max([r["step"] for r in records if r.get("kind") == "end"]
+                          + ([train[-1]["step"]] if train else [0])),
     }
 
 

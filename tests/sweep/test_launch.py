@@ -24,7 +24,8 @@ def _sweep(tmp_path, data) -> Path:
         "set": {"data.train": data.data_prefix, "data.tokenizer": data.tokenizer_model,
                 "data.num_workers": 0, "data.split": "80,20,0",
                 "data.cache_dir": str(tmp_path / "cache"), "logging.progress_bar": False,
-                "logging.tensorboard": False, "eval.steps": 1},
+                "logging.tensorboard": False, "eval.steps": 1,
+                "logging.log_interval": 5},  # 64 steps: the last train record is at step 60
         "sizes": [{"name": "xs", "num_layers": 2, "hidden_size": 32},
                   {"name": "s", "num_layers": 2, "hidden_size": 64}],
         "tokens": [64 * 4 * 32], "batch": {"global_batch_size": 4, "micro_batch_size": 4,
@@ -85,12 +86,24 @@ def test_launch_kill_relaunch_collect(tmp_path, tiny_data):
     assert f"resume {second.name}" in again.stdout
     assert "best grid LR: vanilla 0.003" in again.stdout
     assert any(r.get("kind") == "resume" for r in _records(second))
+    # each finished run is reported with its result and the sweep's ETA
+    done = [line for line in again.stdout.splitlines() if line.startswith("done ")]
+    assert len(done) == 2 and "valid loss" in done[0] and "1 left, ETA" in done[0], done
+    assert done[1].endswith("0 left"), done
 
     collected = _cli("collect", sweep)
     assert collected.returncode == 0, collected.stderr[-3000:]
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert len(results) == 3 and all(r["status"] == "finished" for r in results)
     assert all(r["valid_loss"] is not None and r["loss_curve"] for r in results)
+    assert all(r["steps_done"] == r["train_steps"] == 64 for r in results)  # not the last log
+    # three runs of one architecture cannot pin a law: said, and no empty residual plot
+    fitted = _cli("fit", sweep, "--bootstrap", "2")
+    assert fitted.returncode == 0, fitted.stderr[-3000:]
+    assert "no scaling law could be fitted: vanilla: not enough runs" in fitted.stdout
+    assert not (tmp_path / "out" / "residuals.png").exists()
+    assert (tmp_path / "out" / "loss_vs_tokens.png").is_file()
+    assert "| 8.192K |" in (tmp_path / "out" / "fit.md").read_text()  # not 0.0M
     carried = next(r for r in results if r["size"] == "s")
     assert abs(carried["lr"] - 3e-3 * 32 / 64) < 1e-12  # inverse-width carry of the best
     assert json.loads((tmp_path / "out" / "best_lr.json").read_text()) == {"vanilla": 3e-3}
@@ -154,3 +167,50 @@ def test_jobs_run_side_by_side_and_finish_every_run(tmp_path, tiny_data):
     assert _cli("launch", sweep, "--jobs", "2").stdout.count("(finished)") == 3
     bad = _cli("launch", sweep, "--jobs", "0")
     assert bad.returncode == 2 and "--jobs 0" in bad.stderr, bad.stderr
+
+
+def test_runs_end_with_a_launcher_killed_with_minus_9_and_the_next_launch_resumes(
+        tmp_path, tiny_data):
+    """issue 28: `kill -9` of the launcher left its run training unobserved. The run gets
+    SIGTERM from the kernel (PR_SET_PDEATHSIG), saves its step and exits; a new launch resumes."""
+    from tests.training.faults import alive, children
+
+    sweep = _sweep(tmp_path, tiny_data)
+    tree = yaml.safe_load(sweep.read_text())
+    tree["tokens"] = [400 * 4 * 32]  # long enough to be killed mid-way
+    sweep.write_text(yaml.safe_dump(tree))
+    runs = tmp_path / "out" / "runs"
+    proc = _cli("launch", sweep, "--phase", "1", "--task", "0", wait=False)
+    deadline = time.time() + 600
+    while not (runs.is_dir() and any(r.get("kind") == "train" for d in runs.iterdir()
+                                     for r in _records(d))):
+        assert time.time() < deadline and proc.poll() is None, proc.stdout.read()
+        time.sleep(0.05)
+    (run,) = runs.iterdir()
+    (trainer,) = children(proc.pid)
+    proc.kill()  # the launcher alone, as `kill -9 PID` does
+    proc.wait()
+    gone_by = time.time() + 60  # its step and a save of a tiny model, on a loaded machine
+    while alive(trainer):
+        assert time.time() < gone_by, "the run outlived its launcher"
+        time.sleep(0.1)
+    ends = [r for r in _records(run) if r.get("kind") == "end"]
+    assert len(ends) == 1 and ends[0]["preempted"] and not ends[0]["finished"], ends
+    again = _cli("launch", sweep, "--phase", "1", "--task", "0")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"resume {run.name}" in again.stdout
+    assert any(r.get("kind") == "resume" for r in _records(run))
+    assert any(r.get("kind") == "end" and r.get("finished") for r in _records(run))
+
+
+def test_plan_measure_times_the_smallest_run_and_estimates_from_it(tmp_path, tiny_data):
+    sweep = _sweep(tmp_path, tiny_data)
+    proc = _cli("plan", sweep, "--dry-run", "--measure")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    measured = next(line for line in proc.stdout.splitlines() if line.startswith("measured:"))
+    overhead = float(measured.split("TFLOP at the smallest run, ")[1].split(" s")[0])
+    assert 1 < overhead < 600, measured  # python, megatron and the data indices take seconds
+    # every run's estimate includes that overhead: none is the few seconds a GEMM rate gives
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| vanilla_")]
+    assert len(rows) == 3 and all(not row.rstrip(" |").endswith(" 0 s") for row in rows)
+    assert not (tmp_path / "out" / "runs").exists()  # the measurement ran elsewhere
