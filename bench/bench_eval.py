@@ -12,7 +12,7 @@ same requests: loglikelihood (`--ll-task`'s requests as lm-eval makes them: ever
 question) and greedy
 generation (LAMBADA passages, `--gen-tokens` new tokens). Both cores are used by every row:
 one process with 2 threads, or TP=2 with one thread per rank. Then `tools/evaluate.py --tasks
-paper --limit N` on the native backend, TP=1. Needs ../shared/data (or $IIET_EVAL_DATA).
+paper --limit N` on the native backend, TP=1. Needs ../shared/data (or $IIET_SHARED_DATA).
 Results go into docs/benchmarks.md ("Evaluation").
 """
 

@@ -33,7 +33,7 @@ def require_task_data():
     if found is None:
         if os.environ.get("CI") == "true":
             pytest.fail("CI=true but the task data (../shared/data) is missing")
-        pytest.skip("task data not found (../shared/data or $IIET_EVAL_DATA)")
+        pytest.skip("task data not found: ../shared/data beside the repository, or pass --data-dir / set $IIET_SHARED_DATA")
     return found
 
 

@@ -235,7 +235,8 @@ def test_missing_data_file_is_one_line_operator_error_naming_it(tmp_path):
         local.resolve_tasks(["piqa"], tmp_path)
     message = str(err.value)
     assert "\n" not in message and str(tmp_path / "piqa/valid-labels.lst") in message
-    assert local.ENV_VAR in message
+    assert local.ENV_VAR in message and "--data-dir" in message
+    assert local.ENV_VAR == "IIET_SHARED_DATA"  # one variable for the shared folder, as tests/data
     # The same from inside lm-eval, where the loader gets the directory through the metadata.
     with pytest.raises(OperatorError) as err:
         loaders.piqa(**{local.DATA_DIR_KEY: str(tmp_path), "version": 1.0})
@@ -330,3 +331,12 @@ def test_few_shot_is_refused_not_drawn_from_the_evaluated_split(loaded):
     task = loaded["arc_challenge"]
     with pytest.raises(OperatorError, match="zero-shot only"):
         task.fewshot_context(task.task_docs[0], num_fewshot=2)
+
+
+def test_no_data_directory_names_the_flag_and_the_variable(monkeypatch, tmp_path):
+    monkeypatch.delenv(local.ENV_VAR, raising=False)
+    monkeypatch.setattr(local, "default_data_dir", lambda: None)  # an installed package: no ../shared
+    with pytest.raises(OperatorError) as err:
+        local.resolve_tasks(["piqa"], None)
+    message = str(err.value)
+    assert "--data-dir DIR" in message and "$IIET_SHARED_DATA" in message and "\n" not in message

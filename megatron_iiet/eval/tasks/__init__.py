@@ -10,7 +10,7 @@ files too.
 
 The data directory is a setting, read in this order: the ``iiet_data_dir`` entry of the
 TaskManager's ``metadata`` (what ``task_manager(data_dir)`` sets, or ``lm_eval --metadata
-'{"iiet_data_dir": "/path"}'``), then ``$IIET_EVAL_DATA``, then ``../shared/data`` beside the
+'{"iiet_data_dir": "/path"}'``), then ``$IIET_SHARED_DATA``, then ``../shared/data`` beside the
 repository. lm-eval hands a task's metadata to its ``custom_dataset`` function as keyword
 arguments (``ConfigurableTask.download``), which is how the loaders in ``loaders.py`` see it.
 """
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 TASKS_DIR = Path(__file__).resolve().parent
 
 DATA_DIR_KEY = "iiet_data_dir"
-ENV_VAR = "IIET_EVAL_DATA"
+ENV_VAR = "IIET_SHARED_DATA"  # the one variable for the shared data folder (tests, scripts too)
 
 # The paper's table, in its column order.
 PAPER_SUITE = ("wikitext", "lambada_openai", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge")
@@ -76,7 +76,7 @@ def _repo_root() -> Optional[Path]:
 
 
 def default_data_dir() -> Optional[Path]:
-    """``$IIET_EVAL_DATA`` if set (whether or not it exists, so that a wrong setting is reported
+    """``$IIET_SHARED_DATA`` if set (whether or not it exists, so that a wrong setting is reported
     rather than silently replaced), else ``../shared/data`` beside the repository when present,
     else None."""
     env = os.environ.get(ENV_VAR)
@@ -101,9 +101,10 @@ def _data_dir_and_origin(data_dir: Optional[PathLike]) -> tuple[Optional[Path], 
 
 
 def _no_data_dir_message() -> str:
-    return (f"no evaluation data directory: pass one (data_dir, or lm_eval --metadata "
-            f"'{{\"{DATA_DIR_KEY}\": \"DIR\"}}') or set ${ENV_VAR}; the default ../shared/data "
-            f"beside the repository was not found")
+    return (f"no evaluation data directory: pass --data-dir DIR (training: eval.tasks_data_dir; "
+            f"lm_eval: --metadata '{{\"{DATA_DIR_KEY}\": \"DIR\"}}') or set ${ENV_VAR} to the "
+            f"folder holding arc/, piqa/, ...; the default ../shared/data beside the repository "
+            f"was not found")
 
 
 def missing_files(task: str, data_dir: Path) -> list[Path]:
@@ -138,7 +139,7 @@ def resolve_tasks(names: Iterable[str], data_dir: Optional[PathLike] = None) -> 
         missing = missing_files(task, directory)
         if missing:
             raise LocalDataError(f"{task} needs {missing[0]}, which does not exist (evaluation data "
-                                f"directory {directory}, {origin}; set another with data_dir or "
+                                f"directory {directory}, {origin}; set another with --data-dir or "
                                 f"${ENV_VAR})")
     return wanted
 

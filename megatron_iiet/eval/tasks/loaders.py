@@ -331,7 +331,7 @@ def load_docs(task: str, data_dir: Optional[Path] = None,
     missing = missing_files(task, data_dir)
     if missing:
         raise LocalDataError(f"{task} needs {missing[0]}, which does not exist (evaluation data directory "
-                             f"{data_dir}, {origin}; set another with metadata {DATA_DIR_KEY} or ${ENV_VAR})")
+                             f"{data_dir}, {origin}; set another with --data-dir, metadata {DATA_DIR_KEY} or ${ENV_VAR})")
     docs = DOCS[task][1](data_dir)
     if len(docs) != EXPECTED_COUNTS[task]:
         log.warning("%s: %d documents in %s, lm-eval's split has %d; the scores are not comparable",
