@@ -393,6 +393,8 @@ def run_result(plan: SweepPlan, run: RunPlan) -> dict:
         else None,
         "train_loss": train[-1]["loss"] if train else None,
         "loss_curve": [(r["step"] * per_step, r["loss"]) for r in valid],
+        # training loss at every logged step: where a run sat on the unigram plateau
+        "train_curve": [(r["step"], r["loss"]) for r in train],
         # a finished run's last step, whatever the log interval (its end record says)
         "steps_done": max([r["step"] for r in records if r.get("kind") == "end"]
                           + ([train[-1]["step"]] if train else [0])),

@@ -1,0 +1,119 @@
+"""Issue 31's trained-regime comparison, from the committed results (results/trained/CELL/
+results.json, written by `bash examples/trained_regime.sh collect CELL`): per cell the LR grid,
+the seeds at each architecture's best LR, the unigram plateau of every run, the losses at equal
+tokens and at equal FLOPs, and PNG curves (docs/img/trained_CELL_*.png). Prints markdown for
+docs/scaling.md.
+
+    python examples/trained_regime_report.py [CELL ...]      # default: every committed cell
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from megatron_iiet.sweep.curves import at_equal_x, plateau, unigram_entropy  # noqa: E402
+
+RESULTS = REPO / "results" / "trained"
+TRAIN_DATA = REPO / "outputs" / "cpu_compare" / "data" / "gutenberg_train_long"
+ARCHS = ("vanilla", "pcformer_rk2", "iiet")
+
+
+def entropy() -> float:
+    """The training tokens' unigram entropy: computed once from the data, then committed."""
+    saved = RESULTS / "unigram_entropy.json"
+    if saved.is_file():
+        return json.loads(saved.read_text())["nats"]
+    value = unigram_entropy(str(TRAIN_DATA))
+    saved.write_text(json.dumps({"data": TRAIN_DATA.name, "nats": value}) + "\n")
+    return value
+
+
+def mean_sd(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f} ({len(values)} seeds)"
+
+
+def best_lr(runs: list[dict], arch: str) -> tuple[float, bool]:
+    """The grid LR of lowest mean held-out loss, and whether it lies inside the grid."""
+    by_lr: dict[float, list[float]] = {}
+    for r in runs:
+        if r["architecture"] == arch and r["grid"] and r["valid_loss"] is not None:
+            by_lr.setdefault(r["lr"], []).append(r["valid_loss"])
+    lrs = sorted(by_lr)
+    best = min(lrs, key=lambda lr: statistics.mean(by_lr[lr]))
+    return best, 0 < lrs.index(best) < len(lrs) - 1
+
+
+def report(cell: str, H: float) -> str:
+    runs = [r for r in json.loads((RESULTS / cell / "results.json").read_text())
+            if r["status"] == "finished"]
+    lines = [f"### Cell {cell}", "",
+             "| run | LR | held-out loss | WikiText-2 loss | FLOPs | plateau steps (fraction) |",
+             "|---|---|---|---|---|---|"]
+    for r in sorted(runs, key=lambda r: (ARCHS.index(r["architecture"]), r["lr"], r["seed"])):
+        p = plateau(r["train_curve"], H, total_steps=r["train_steps"])
+        wiki = r.get("valid_loss_wikitext")
+        lines.append(f"| {r['name']} | {r['lr']:.3g} | {r['valid_loss']:.4f} | "
+                     f"{'-' if wiki is None else f'{wiki:.4f}'} | {r['flops']:.3g} | "
+                     f"{p.steps} ({p.fraction:.1%}) |")
+    lines += ["", "| architecture | best LR (inside the grid?) | held-out at best | "
+              "WikiText-2 at best |", "|---|---|---|---|"]
+    curves_tokens, curves_flops = {}, {}
+    for arch in ARCHS:
+        if not any(r["architecture"] == arch and r["grid"] for r in runs):
+            continue
+        lr, inside = best_lr(runs, arch)
+        at_best = [r for r in runs if r["architecture"] == arch and r["lr"] == lr]
+        wiki = [r["valid_loss_wikitext"] for r in at_best if r.get("valid_loss_wikitext")]
+        lines.append(f"| {arch} | {lr:.3g} ({'yes' if inside else 'no: at its edge'}) | "
+                     f"{mean_sd([r['valid_loss'] for r in at_best])} | "
+                     f"{mean_sd(wiki) if wiki else '-'} |")
+        first = at_best[0]
+        curves_tokens[arch] = [(t, v) for t, v in first["loss_curve"]]
+        curves_flops[arch] = [(t * first["flops_per_token"], v) for t, v in first["loss_curve"]]
+    if curves_flops:
+        budget = min(c[-1][0] for c in curves_flops.values())
+        equal = at_equal_x(curves_flops, budget)
+        lines += ["", f"At equal FLOPs ({budget:.3g}, the smallest run's total), held-out loss: "
+                  + ", ".join(f"{a} {v:.3f}" for a, v in equal.items() if v is not None)]
+        _plot(cell, curves_tokens, curves_flops, H)
+    return "\n".join(lines)
+
+
+def _plot(cell: str, by_tokens, by_flops, H: float) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(10, 4), dpi=100)
+    FigureCanvasAgg(figure)
+    for i, (curves, xlabel) in enumerate(((by_tokens, "training tokens"),
+                                          (by_flops, "training FLOPs"))):
+        axes = figure.add_subplot(1, 2, i + 1)
+        for arch, points in curves.items():
+            axes.plot(*zip(*points), label=arch)
+        axes.axhline(H, color="grey", linestyle=":", label="unigram entropy")
+        axes.set(xlabel=xlabel, ylabel="held-out loss", title=f"{cell}, best LR each")
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(REPO / "docs" / "img" / f"trained_{cell}.png")
+
+
+def main(argv: list[str]) -> int:
+    cells = argv or sorted(p.name for p in RESULTS.iterdir() if (p / "results.json").is_file())
+    H = entropy()
+    print(f"Unigram entropy of the training tokens: {H:.3f} nats (the plateau: within 0.1 of it)\n")
+    for cell in cells:
+        print(report(cell, H) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
