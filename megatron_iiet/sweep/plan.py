@@ -93,6 +93,10 @@ class SweepSpec:
     (default: read from data.tokenizer)."""
     flops_per_second: Optional[float] = None
     """Sustained training FLOP/s per run for the time estimate (default: measured here)."""
+    committed: Optional[str] = None
+    """A results.json of this sweep kept in the repository (relative to the sweep file): a run
+    it lists as finished counts as finished where its own folder is gone (a later session on
+    another machine continues the sweep instead of rerunning it)."""
 
 
 @dataclass
@@ -128,6 +132,8 @@ class SweepPlan:
     spec: SweepSpec
     base_path: Path
     runs: list[RunPlan]
+    committed: dict[str, dict] = field(default_factory=dict)
+    """Finished runs of ``spec.committed`` by name."""
 
     def run(self, name: str) -> RunPlan:
         return next(r for r in self.runs if r.name == name)
@@ -287,7 +293,22 @@ def plan_sweep(sweep_path: str | Path, flops_per_second: Optional[float] = None)
     names = [r.name for r in runs]
     if len(set(names)) != len(names):
         raise ValueError("sweep: two runs share a name (repeated sizes or budgets?)")
-    return SweepPlan(spec, base, runs)
+    return SweepPlan(spec, base, runs, _committed(spec, sweep_path))
+
+
+def _committed(spec: SweepSpec, sweep_path: str | Path) -> dict[str, dict]:
+    import json
+
+    if spec.committed is None:
+        return {}
+    path = Path(sweep_path).parent / spec.committed
+    if not path.is_file():
+        return {}  # nothing committed yet
+    try:
+        rows = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"committed: {path}: not JSON ({err})") from None
+    return {r["name"]: r for r in rows if r.get("status") == "finished"}
 
 
 RUN_OVERHEAD_S = 20.0

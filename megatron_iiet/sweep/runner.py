@@ -57,6 +57,8 @@ def run_status(plan: SweepPlan, run: RunPlan) -> str:
     if any(r.get("kind") == "end" and r.get("finished") and r.get("step") == run.train_steps
            for r in records):
         return "finished"
+    if not records and run.name in plan.committed:
+        return "finished"  # in the repository's results, its folder on another machine
     return "partial" if records else "missing"
 
 
@@ -93,7 +95,7 @@ def saved_lr(plan: SweepPlan, run: RunPlan) -> Optional[float]:
     newest = newest_complete(root, warn=lambda _: None) if root.is_dir() else None
     if newest is None:
         return None
-    return read_meta(newest)["config"].get("optimizer", {}).get("lr")
+    return ((read_meta(newest).config or {}).get("optimizer") or {}).get("lr")
 
 
 def check_same_lr(plan: SweepPlan, run: RunPlan, lr: float, status: str) -> None:
@@ -380,6 +382,8 @@ class ExtraValid:
 
 def run_result(plan: SweepPlan, run: RunPlan) -> dict:
     records = _records(run_dir(plan, run))
+    if not records and run.name in plan.committed:
+        return dict(plan.committed[run.name])
     valid = [r for r in records if r.get("kind") == "valid"]
     train = [r for r in records if r.get("kind") == "train"]
     per_step = run.tokens / run.train_steps
@@ -411,9 +415,9 @@ def _extra_losses(plan: SweepPlan, results: list[dict], extra: list[ExtraValid])
 
     with one_process_group():
         for result in results:
-            if result["status"] != "finished":
-                continue
             run = plan.run(result["name"])
+            if result["status"] != "finished" or not (run_dir(plan, run) / "checkpoints").is_dir():
+                continue  # a committed result keeps the extra losses it was collected with
             loaded = load_for_inference(run_dir(plan, run) / "checkpoints", with_tokenizer=False)
             for ev in extra:
                 batches = calibration_batches(ev.prefix, ev.batches, ev.batch_size,

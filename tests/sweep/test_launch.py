@@ -214,3 +214,32 @@ def test_plan_measure_times_the_smallest_run_and_estimates_from_it(tmp_path, tin
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| vanilla_")]
     assert len(rows) == 3 and all(not row.rstrip(" |").endswith(" 0 s") for row in rows)
     assert not (tmp_path / "out" / "runs").exists()  # the measurement ran elsewhere
+
+
+def test_a_sweep_continues_from_committed_results_where_its_run_folders_are_gone(
+        tmp_path, tiny_data):
+    """A later session on a new machine: outputs/ is gone, results.json was committed. The
+    finished runs count as finished (skipped, their losses pick the best LR), the rest runs."""
+    import shutil
+
+    sweep = _sweep(tmp_path, tiny_data)
+    tree = yaml.safe_load(sweep.read_text())
+    tree["sizes"] = tree["sizes"][:1]  # the grid alone: two runs
+    sweep.write_text(yaml.safe_dump(tree))
+    assert _cli("launch", sweep).returncode == 0
+    assert _cli("collect", sweep).returncode == 0
+    committed = tmp_path / "committed.json"
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())
+    committed.write_text(json.dumps(rows[:1]))  # one of the two runs was committed
+    shutil.rmtree(tmp_path / "out")  # the new machine
+    tree["committed"] = "committed.json"
+    sweep.write_text(yaml.safe_dump(tree))
+    again = _cli("launch", sweep)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert f"skip {rows[0]['name']} (finished)" in again.stdout
+    assert f"start {rows[1]['name']}" in again.stdout
+    collected = _cli("collect", sweep)
+    assert collected.returncode == 0, collected.stderr[-2000:]
+    results = {r["name"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())}
+    assert results[rows[0]["name"]]["valid_loss"] == rows[0]["valid_loss"]
+    assert all(r["status"] == "finished" for r in results.values())
