@@ -85,14 +85,16 @@ def read_dcp_metadata(directory: str | Path):
     return metadata
 
 
-def load_data(source, path: Path, what: str = ""):
-    """``torch.load(source, weights_only=True)``; a refused or damaged pickle is a
-    CheckpointError naming ``path`` (and ``what`` inside it)."""
+def load_data(source, path: Path, what: str = "", allowed: tuple = ()):
+    """``torch.load(source, weights_only=True)`` (``allowed``: classes it may build besides
+    tensors and plain data); a refused or damaged pickle is a CheckpointError naming ``path``
+    (and ``what`` inside it)."""
     import torch
 
     inside = f" ({what})" if what else ""
     try:
-        return torch.load(source, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(list(allowed)):
+            return torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         if "Weights only load failed" in str(err):
             refused = next((ln.strip() for ln in str(err).splitlines()
@@ -134,3 +136,23 @@ def check_dist_checkpoint(directory: str | Path) -> None:
             raise _unreadable(path, err) from None
     if (directory / COMMON).is_file():
         load_data(directory / COMMON, directory / COMMON)
+
+
+# What DeepSpeed's own checkpoint files hold besides tensors and plain data (found by loading
+# ZeRO-1/2/3 checkpoints of this project's runs): data classes, no code.
+_DEEPSPEED_CLASSES = (("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+                      ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+                      ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+                      ("deepspeed.utils.tensor_fragment", "fragment_address"))
+
+
+def check_deepspeed_checkpoint(directory: str | Path) -> None:
+    """DeepSpeed reads its own files with ``weights_only=False`` inside its code: read each one
+    first with ``weights_only=True`` and only DeepSpeed's data classes allowed, so a planted
+    pickle is refused (one line naming the file) before DeepSpeed could run it."""
+    import importlib
+
+    allowed = tuple(getattr(importlib.import_module(module), name)
+                    for module, name in _DEEPSPEED_CLASSES)
+    for path in sorted(Path(directory).rglob("*.pt")):
+        load_data(path, path, allowed=allowed)

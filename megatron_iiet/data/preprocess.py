@@ -169,6 +169,12 @@ def _run_signature(config: PreprocessConfig, files, tokenizer: Tokenizer, dtype_
 def _same_run(recorded: dict | None, signature: dict) -> bool:
     if recorded == signature:
         return True
+    if isinstance(recorded, dict) and fingerprint_matches(recorded.get("tokenizer_fingerprint"),
+                                                          signature["tokenizer_fingerprint"]):
+        # a record of the legacy fingerprint (before it hashed the whole model): the same tokenizer
+        recorded = {**recorded, "tokenizer_fingerprint": signature["tokenizer_fingerprint"]}
+        if recorded == signature:
+            return True
     # Records written before input mtimes were kept hold [path, size] per input: compare those.
     inputs = recorded.get("inputs") if isinstance(recorded, dict) else None
     if inputs and all(isinstance(entry, list) and len(entry) == 2 for entry in inputs):

@@ -216,18 +216,18 @@ class Engine:
     def state_meta(self) -> dict:
         return {"scheduler": self.scheduler.state_dict(), "layout": layout(), "engine": self.name}
 
-    def load(self, directory: Path, meta: dict, seed: int) -> None:
+    def load(self, directory: Path, meta, seed: int) -> None:
         """Everything ``save`` wrote and ``state_meta`` recorded. RNG streams belong to a
         layout: after a reshard they are re-seeded from (seed, step) instead."""
         self._load_tensors(Path(directory))
-        self.scheduler.load_state_dict(meta["scheduler"])
+        self.scheduler.load_state_dict(meta.scheduler)
         rng_file = _rng_file(directory)
-        if meta["layout"] == layout() and rng_file.is_file():
+        if meta.layout == layout() and rng_file.is_file():
             set_rng_state(read_rng_state(rng_file))
         else:
             from megatron_iiet.distributed import seed_everything
 
-            seed_everything(seed + meta["step"])
+            seed_everything(seed + meta.step)
 
     def load_weights(self, directory: Path, seed: int) -> None:
         """The weights alone (any engine's checkpoint, or a converted one): optimizer and
@@ -452,7 +452,11 @@ class DeepSpeedEngine(Engine):
         return request
 
     def _load_tensors(self, directory: Path) -> None:
-        # module and ZeRO-partitioned optimizer state, in DeepSpeed's own format
+        from megatron_iiet.safe_pickle import check_deepspeed_checkpoint
+
+        # module and ZeRO-partitioned optimizer state, in DeepSpeed's own format, which DeepSpeed
+        # unpickles without weights_only: checked here first
+        check_deepspeed_checkpoint(directory / "deepspeed")
         self.model.load_checkpoint(str(directory / "deepspeed"), tag="state",
                                    load_module_strict=True, load_optimizer_states=True,
                                    load_lr_scheduler_states=False)

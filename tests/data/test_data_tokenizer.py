@@ -182,3 +182,25 @@ def test_fingerprint_tells_merge_orders_apart_and_still_accepts_the_legacy_one(
     indexed_io.write_json_atomic(indexed_io.meta_path(dataset), meta)
     with pytest.raises(ValueError, match=f"made with tokenizer {other.fingerprint}"):
         validate_blend(dataset, expected_fingerprint=sp.fingerprint)
+
+
+def test_a_dataset_recorded_with_the_legacy_fingerprint_is_still_complete(small_tokenizer,
+                                                                          tmp_path):
+    """Data preprocessed before the fingerprint hashed the whole model (the quickstart's
+    outputs/builtin_data on a machine that ran it before) is the same run, not a conflict."""
+    import json
+
+    from megatron_iiet.data.tokenizer import Tokenizer
+    from tests.data.helpers import preprocess
+
+    text = tmp_path / "a.txt"
+    text.write_text("some text to tokenize\n" * 50)
+    prefix = tmp_path / "data"
+    assert not preprocess([text], small_tokenizer, prefix).already_complete
+    meta_file = tmp_path / "data.meta.json"
+    meta = json.loads(meta_file.read_text())
+    legacy = Tokenizer.from_path(str(small_tokenizer)).legacy_fingerprint
+    assert meta["run"]["tokenizer_fingerprint"] != legacy
+    meta["run"]["tokenizer_fingerprint"] = legacy
+    meta_file.write_text(json.dumps(meta))
+    assert preprocess([text], small_tokenizer, prefix).already_complete
