@@ -40,15 +40,17 @@ def mean_sd(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f} ({len(values)} seeds)"
 
 
-def best_lr(runs: list[dict], arch: str) -> tuple[float, bool]:
-    """The grid LR of lowest mean held-out loss, and whether it lies inside the grid."""
+def best_lr(runs: list[dict], arch: str) -> tuple[float, str]:
+    """The grid LR of lowest mean held-out loss, and whether it lies inside the grid run so far."""
     by_lr: dict[float, list[float]] = {}
     for r in runs:
         if r["architecture"] == arch and r["grid"] and r["valid_loss"] is not None:
             by_lr.setdefault(r["lr"], []).append(r["valid_loss"])
     lrs = sorted(by_lr)
     best = min(lrs, key=lambda lr: statistics.mean(by_lr[lr]))
-    return best, 0 < lrs.index(best) < len(lrs) - 1
+    if len(lrs) < 3:
+        return best, f"only {len(lrs)} of the grid's LRs finished"
+    return best, "yes" if 0 < lrs.index(best) < len(lrs) - 1 else "no: at its edge"
 
 
 def report(cell: str, H: float) -> str:
@@ -69,10 +71,10 @@ def report(cell: str, H: float) -> str:
     for arch in ARCHS:
         if not any(r["architecture"] == arch and r["grid"] for r in runs):
             continue
-        lr, inside = best_lr(runs, arch)
+        lr, bracketed = best_lr(runs, arch)
         at_best = [r for r in runs if r["architecture"] == arch and r["lr"] == lr]
         wiki = [r["valid_loss_wikitext"] for r in at_best if r.get("valid_loss_wikitext")]
-        lines.append(f"| {arch} | {lr:.3g} ({'yes' if inside else 'no: at its edge'}) | "
+        lines.append(f"| {arch} | {lr:.3g} ({bracketed}) | "
                      f"{mean_sd([r['valid_loss'] for r in at_best])} | "
                      f"{mean_sd(wiki) if wiki else '-'} |")
         first = at_best[0]
