@@ -73,11 +73,11 @@ def run(args) -> int:
     import yaml
 
     from megatron_iiet.data.atomic import write_bytes_atomic, write_json_atomic
-    from megatron_iiet.hf.megatron_model import single_process_model_config, train_config_from_dict
     from megatron_iiet.iiad.influence import InfluenceReport
     from megatron_iiet.iiad.planner import Planner, PlanError, table
     from megatron_iiet.training.checkpoint_index import (CheckpointError, read_meta,
                                                          resolve_checkpoint)
+    from megatron_iiet.training.checkpoint_meta import model_config_from
 
     path = args.influence / "influence.json" if args.influence.is_dir() else args.influence
     try:
@@ -91,8 +91,7 @@ def run(args) -> int:
         meta = read_meta(ckpt)
     except (CheckpointError, FileNotFoundError) as err:
         raise OperatorError(f"--checkpoint: {err}") from None
-    train_cfg = train_config_from_dict(meta["config"])
-    model_cfg = single_process_model_config(train_cfg, meta["architecture"]["vocab_size"])
+    model_cfg = model_config_from(meta, ckpt, error=OperatorError)
     if list(model_cfg.layer_iterations) != list(report.iterations):
         raise OperatorError(f"--checkpoint {ckpt}: iterations {list(model_cfg.layer_iterations)}, "
                             f"but the influence was measured with {report.iterations}")
@@ -107,7 +106,7 @@ def run(args) -> int:
     except PlanError as err:
         raise OperatorError(str(err)) from None
 
-    config = json.loads(json.dumps(meta["config"]))  # a plain copy
+    config = json.loads(json.dumps(meta.config))  # a plain copy
     config["model"]["iterations"] = plan.iterations
     config.setdefault("checkpoint", {}).update(
         {"load": "auto", "load_model_only": False, "init_from": str(Path(ckpt).resolve()),

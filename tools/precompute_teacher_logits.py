@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     return run_tool(run, build_parser().parse_args(argv), distributed=True)
 
 
-def _index(args, cfg, dataset, tokenizer, teacher_meta, samples: int) -> dict:
+def _index(args, cfg, dataset, tokenizer, teacher, samples: int) -> dict:
     from megatron_iiet.iiad.teacher_logits import FORMAT, dataset_identity
 
     return {"format": FORMAT, "num_samples": samples, "shard_samples": args.shard_samples,
@@ -68,10 +68,10 @@ def _index(args, cfg, dataset, tokenizer, teacher_meta, samples: int) -> dict:
             "dataset": dataset_identity(dataset, tokenizer.fingerprint),
             "data": {"train": cfg.data.train, "seq_length": cfg.data.seq_length,
                      "seed": cfg.seed},
-            "teacher": {"checkpoint": str(Path(teacher_meta["path"]).resolve()),
-                        "step": teacher_meta.get("step"),
-                        "architecture": teacher_meta["architecture"]["architecture"],
-                        "vocab_size": teacher_meta["architecture"]["vocab_size"]}}
+            "teacher": {"checkpoint": str(Path(teacher.path).resolve()),
+                        "step": teacher.meta.step,
+                        "architecture": teacher.meta.signature_value("architecture"),
+                        "vocab_size": teacher.meta.vocab_size}}
 
 
 def _write_index(root: Path, index: dict) -> None:
@@ -97,12 +97,12 @@ def run(args) -> int:
     from megatron.core import parallel_state as ps
 
     from megatron_iiet.data.atomic import write_bytes_atomic
-    from megatron_iiet.data.tokenizer import fingerprint_matches
     from megatron_iiet.distributed import barrier, initialize, on_rank0
     from megatron_iiet.eval.checkpoint import load_for_inference
     from megatron_iiet.iiad.kl import vocab_parallel_topk
     from megatron_iiet.iiad.teacher_logits import DTYPES, shard_bytes, shard_name
     from megatron_iiet.platform import compute_device
+    from megatron_iiet.training.checkpoint_meta import check_tokenizer
     from megatron_iiet.training.config import load_config, padded_vocab_size
     from megatron_iiet.training.data import build_datasets, resolve_sources
     from megatron_iiet.training.step import forward_only
@@ -125,21 +125,18 @@ def run(args) -> int:
         teacher = load_for_inference(args.checkpoint, with_tokenizer=False)
     except ValueError as err:
         raise OperatorError(f"--checkpoint: {err}") from None
-    meta = {**teacher.meta, "path": str(teacher.path)}
     student_vocab = padded_vocab_size(sources.tokenizer.vocab_size)
-    if meta["architecture"]["vocab_size"] != student_vocab:
+    if teacher.meta.vocab_size != student_vocab:
         raise OperatorError(f"--checkpoint {teacher.path}: vocabulary "
-                            f"{meta['architecture']['vocab_size']} vs the run's {student_vocab}")
-    saved_fp = meta.get("tokenizer_fingerprint")
-    if saved_fp and not fingerprint_matches(saved_fp, sources.tokenizer.fingerprint):
-        raise OperatorError(f"--checkpoint {teacher.path}: trained with tokenizer {saved_fp}, "
-                            f"the run's data uses {sources.tokenizer.fingerprint}")
+                            f"{teacher.meta.vocab_size} vs the run's {student_vocab}")
+    check_tokenizer(teacher.meta.tokenizer_fingerprint, sources.tokenizer.fingerprint,
+                    f"--checkpoint {teacher.path} (the run's data)", OperatorError)
     samples = args.samples or cfg.schedule.train_steps * cfg.parallel.global_batch_size
     if samples > len(train_ds):
         raise OperatorError(f"--samples {samples}: the run's dataset has {len(train_ds)}")
     if args.top_k > student_vocab:
         raise OperatorError(f"--top-k {args.top_k}: the vocabulary has {student_vocab} entries")
-    index = _index(args, cfg, train_ds, sources.tokenizer, meta, samples)
+    index = _index(args, cfg, train_ds, sources.tokenizer, teacher, samples)
     on_rank0(lambda: _write_index(args.output, index))
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()

@@ -21,7 +21,23 @@ class InferenceModel:
     tokenizer: object  # megatron_iiet.data.tokenizer.Tokenizer
     max_length: int
     path: Path
-    meta: dict
+    meta: object  # megatron_iiet.training.checkpoint_meta.CheckpointMeta
+
+
+def load_model_tensors(model, ckpt: Path) -> None:
+    """This rank's share of a checkpoint's model tensors, resharded to the model's layout (its
+    files checked first: checkpointing.verify_for_load)."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_iiet.training.checkpointing import CheckpointError, verify_for_load
+
+    verify_for_load(ckpt)
+    try:
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt))
+    except Exception as err:  # megatron's errors are long; keep the cause, name the folder
+        raise CheckpointError(f"{ckpt}: cannot read the model tensors: "
+                              f"{str(err).splitlines()[0][:300]}") from err
+    model.load_state_dict(loaded["model"])
 
 
 def load_for_inference(path: str | Path, tokenizer: Optional[str] = None,
@@ -32,22 +48,17 @@ def load_for_inference(path: str | Path, tokenizer: Optional[str] = None,
     ``tokenizer`` None."""
     from megatron.core import parallel_state as ps
 
-    from megatron_iiet.hf.megatron_model import (check_rebuilds, load_model_tensors,
-                                                 single_process_model_config,
-                                                 train_config_from_dict)
     from megatron_iiet.hf.megatron_to_hf import resolve_tokenizer
     from megatron_iiet.model.gpt import IIETGPTModel
     from megatron_iiet.platform import compute_device
     from megatron_iiet.training.checkpoint_index import read_meta, resolve_checkpoint
+    from megatron_iiet.training.checkpoint_meta import model_config_from
 
     ckpt = resolve_checkpoint(path)
     meta = read_meta(ckpt)
     tok = resolve_tokenizer(meta, tokenizer, ckpt) if with_tokenizer else None
-    model_cfg = single_process_model_config(train_config_from_dict(meta["config"]),
-                                            meta["architecture"]["vocab_size"],
-                                            ps.get_tensor_model_parallel_world_size(),
-                                            ps.get_pipeline_model_parallel_world_size())
-    check_rebuilds(meta, model_cfg, ckpt)
+    model_cfg = model_config_from(meta, ckpt, ps.get_tensor_model_parallel_world_size(),
+                                  ps.get_pipeline_model_parallel_world_size())
     model = IIETGPTModel(model_cfg).to(compute_device())
     load_model_tensors(model, ckpt)
     model.eval()

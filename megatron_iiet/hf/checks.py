@@ -15,9 +15,8 @@ from typing import Iterable, Mapping, Optional
 import torch
 
 from megatron_iiet.errors import OperatorError
-from megatron_iiet.training.checkpoint_index import (LATEST, META, CheckpointError,
-                                                     checkpoint_name_in, describe_contents,
-                                                     read_meta)
+from megatron_iiet.training.checkpoint_index import (LATEST, META, CheckpointError, read_meta,
+                                                     resolve_checkpoint)
 
 # dist_checkpointing's own marker file: tells a megatron checkpoint from any other folder.
 DIST_CKPT_MARKER = "metadata.json"
@@ -93,50 +92,23 @@ def mark_export(folder: Path, kind: str, sources: Iterable = ()) -> None:
 # ==============================================================================================
 # A megatron checkpoint directory (read as the trainer's checkpoint index reads it)
 # ==============================================================================================
-def read_latest_pointer(pointer: Path) -> str:
-    """The directory name a `latest` file holds. The trainer writes one bare iter_* name; a
-    garbled file (binary, several lines, a path leading out of the root) is refused by name
-    rather than followed somewhere unexpected (a resume would fall back to the newest complete
-    checkpoint instead; a conversion of "the latest" must not guess)."""
-    try:
-        raw = pointer.read_bytes()
-    except OSError as err:
-        raise ConversionError(f"{pointer}: unreadable ({err.strerror})") from err
-    name = checkpoint_name_in(raw)
-    if name is None:
-        raise ConversionError(f"{pointer}: not a checkpoint pointer (expected the name of an "
-                              f"iter_* directory next to it, found {describe_contents(raw)})")
-    return name
-
-
 def find_checkpoint(path) -> Path:
-    """The iter_* directory of a checkpoint root (via `latest`) or the iter_* directory itself."""
-    p = Path(path)
-    if not p.exists():
-        raise ConversionError(f"{p}: does not exist")
-    if not p.is_dir():
-        raise ConversionError(f"{p}: not a directory (expected a megatron checkpoint directory)")
-    if (p / META).is_file():
-        return p
-    pointer = p / LATEST
-    if pointer.is_file():
-        target = p / read_latest_pointer(pointer)
-        if not (target / META).is_file():
-            raise ConversionError(f"{pointer}: points to {target}, which is not a complete checkpoint")
-        return target
-    raise ConversionError(
-        f"{p}: not a megatron checkpoint (no {META}, no {LATEST} pointer); pass a checkpoint root "
-        f"or one of its iter_* directories")
+    """The iter_* directory of a checkpoint root (via `latest`) or the iter_* directory itself:
+    checkpoint_index.resolve_checkpoint, following `latest` strictly."""
+    try:
+        return resolve_checkpoint(path, follow_latest=True)
+    except CheckpointError as err:
+        raise ConversionError(str(err)) from err
 
 
-def read_checkpoint_meta(ckpt: Path) -> dict:
+def read_checkpoint_meta(ckpt: Path):
     try:
         meta = read_meta(ckpt)
     except CheckpointError as err:  # missing, not JSON, no step: the index names the file
         raise ConversionError(str(err)) from err
     except OSError as err:
         raise ConversionError(f"{ckpt / META}: unreadable ({err.strerror})") from err
-    missing = [k for k in ("config", "architecture") if not isinstance(meta.get(k), dict)]
+    missing = [k for k in ("config", "architecture") if getattr(meta, k) is None]
     if missing:
         raise ConversionError(f"{ckpt / META}: not written by this project's trainer "
                               f"(no {', '.join(missing)})")
@@ -158,13 +130,13 @@ def check_shards_present(ckpt: Path) -> None:
                               f"(of {len(files)})")
 
 
-def check_expected_architecture(meta: dict, expected: Optional[str], where: Path) -> None:
+def check_expected_architecture(meta, expected: Optional[str], where: Path) -> None:
     if expected is None:
         return
-    sig = meta["architecture"]
-    actual = sig.get("architecture")
+    actual = meta.signature_value("architecture")
     if expected != actual:
-        detail = f" ({sig['formulation']} form)" if sig.get("formulation") else ""
+        formulation = meta.signature_value("formulation")
+        detail = f" ({formulation} form)" if formulation else ""
         raise ConversionError(f"{where}: holds a {actual}{detail} model, expected {expected}")
 
 
@@ -258,6 +230,5 @@ __all__ = [
     "find_checkpoint",
     "mark_export",
     "read_checkpoint_meta",
-    "read_latest_pointer",
     "refuse_nonfinite",
 ]

@@ -6,7 +6,6 @@ chosen layout. The trainer loads it for continued training (fresh optimizer, ste
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -17,7 +16,7 @@ from typing import Optional
 import torch
 
 from . import release_import as rel
-from .checks import (DEFAULT_MAX_ABS_WEIGHT, LATEST, META, ConversionError, check_destination,
+from .checks import (DEFAULT_MAX_ABS_WEIGHT, LATEST, ConversionError, check_destination,
                      dtype_named, refuse_nonfinite)
 from .configuration_iiet import IIETConfig
 from .mapping import hf_to_megatron_tensors, train_config_for_hf
@@ -114,7 +113,8 @@ def import_from_hf(src, dst, tp: int = 1, pp: int = 1, precision: str = "fp32",
                     state_file=str(state_file), out_dir=str(root / name))
 
     def finish(root: Path) -> None:
-        from megatron_iiet.training.checkpointing import architecture_signature
+        from megatron_iiet.training.checkpoint_meta import (CheckpointMeta,
+                                                            architecture_signature, write_meta)
 
         (root / ".full_state.pt").unlink()
         ckpt = root / name
@@ -123,22 +123,13 @@ def import_from_hf(src, dst, tp: int = 1, pp: int = 1, precision: str = "fp32",
             for f in TOKENIZER_FILES:
                 if (src / f).is_file():
                     shutil.copy2(src / f, ckpt / "tokenizer" / f)
-        meta = {
-            "config": train_cfg.to_dict(),
-            "architecture": architecture_signature(model_cfg),
-            "layout": {"tensor": tp, "pipeline": pp, "data": 1},
-            "engine": None,
-            # Weights only: the trainer starts a fresh optimizer and schedule at step 0.
-            "model_only": True,
-            "step": 0,
-            "consumed_samples": 0,
-            "skipped_steps": 0,
-            "scheduler": None,
-            "tokenizer": tokenizer_path,
-            "tokenizer_fingerprint": fingerprint,
-            "source": {"hf_folder": str(src.resolve())},
-        }
-        (ckpt / META).write_text(json.dumps(meta, indent=2))
+        # Weights only: the trainer starts a fresh optimizer and schedule at step 0. The
+        # manifest and checksums make the import integrity-checked at load like any checkpoint.
+        write_meta(ckpt, CheckpointMeta(
+            step=0, model_only=True, config=train_cfg.to_dict(),
+            architecture=architecture_signature(model_cfg),
+            layout={"tensor": tp, "pipeline": pp, "data": 1}, tokenizer=tokenizer_path,
+            tokenizer_fingerprint=fingerprint, source={"hf_folder": str(src.resolve())}))
         (root / LATEST).write_text(name)
 
     progress(f"writing the dist checkpoint with TP={tp} PP={pp} ({tp * pp} ranks)")

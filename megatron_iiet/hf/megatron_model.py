@@ -6,9 +6,7 @@ rank by rank (HF -> megatron).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
-import typing
 from pathlib import Path
 from typing import Callable
 
@@ -25,43 +23,17 @@ def quiet(_: str) -> None:
 
 def train_config_from_dict(tree: dict):
     """The TrainConfig saved in meta.json (unknown keys are refused: another trainer version)."""
-    from megatron_iiet.training.config import TrainConfig
+    from megatron_iiet.training.checkpoint_meta import parse_saved_config
 
-    hints = typing.get_type_hints(TrainConfig)
-    values = {}
-    for name, value in tree.items():
-        if name == "distill":  # a training matter (teachers, window): the model needs none of it
-            continue
-        if name not in hints:
-            raise ConversionError(f"meta.json config: unknown section {name!r}")
-        cls = hints[name]
-        if dataclasses.is_dataclass(cls):
-            if not isinstance(value, dict):
-                raise ConversionError(f"meta.json config.{name}: not an object")
-            known = {f.name for f in dataclasses.fields(cls)}
-            unknown = sorted(set(value) - known)
-            if unknown:
-                raise ConversionError(f"meta.json config.{name}: unknown keys {unknown}")
-            value = cls(**value)
-        values[name] = value
-    return TrainConfig(**values)
+    return parse_saved_config(tree, f"{META} config", ConversionError)
 
 
 def single_process_model_config(train_cfg, vocab_size: int, tensor: int = 1, pipeline: int = 1):
-    """The model config of a saved training config, rebuilt for inference (no recompute) at
-    TP=``tensor``/PP=``pipeline`` (default one process). Eager: evaluation's varying shapes
-    would recompile a compiled pass for every new length."""
-    from megatron_iiet.training.config import build_model_config
+    """The model config of a training config, rebuilt for inference at TP/PP (default one
+    process): checkpoint_meta.inference_model_config, failing as a conversion does."""
+    from megatron_iiet.training.checkpoint_meta import inference_model_config
 
-    par = dataclasses.replace(train_cfg.parallel, tensor=tensor, pipeline=pipeline)
-    model = dataclasses.replace(train_cfg.model, recompute_granularity=None,
-                                recompute_method=None, recompute_num_layers=None,
-                                iteration_checkpointing="none", compile=False)
-    try:
-        return build_model_config(dataclasses.replace(train_cfg, parallel=par, model=model),
-                                  vocab_size)
-    except ValueError as err:
-        raise ConversionError(f"model config at TP={tensor}/PP={pipeline}: {err}") from err
+    return inference_model_config(train_cfg, vocab_size, tensor, pipeline, ConversionError)
 
 
 @contextlib.contextmanager
@@ -98,40 +70,13 @@ def one_process_group():
                 os.environ[k] = v
 
 
-def check_rebuilds(meta: dict, model_cfg, ckpt: Path) -> None:
-    """Refuse a checkpoint whose saved config no longer builds the architecture it saved."""
-    from megatron_iiet.training.checkpointing import architecture_signature
-
-    rebuilt = architecture_signature(model_cfg)
-    if rebuilt != meta["architecture"]:
-        diffs = {k: (meta["architecture"].get(k), v) for k, v in rebuilt.items()
-                 if meta["architecture"].get(k) != v}
-        raise ConversionError(f"{ckpt / META}: its config does not rebuild the saved "
-                              f"architecture (saved, rebuilt): {diffs}")
-
-
-def load_model_tensors(model, ckpt: Path) -> None:
-    """This rank's share of a checkpoint's model tensors, resharded to the model's layout."""
-    from megatron.core import dist_checkpointing
-
-    from megatron_iiet.training.checkpointing import verify_for_load
-
-    verify_for_load(ckpt)
-    try:
-        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt))
-    except Exception as err:  # megatron's errors are long; keep the cause, name the folder
-        raise ConversionError(f"{ckpt}: cannot read the model tensors: "
-                              f"{str(err).splitlines()[0][:300]}") from err
-    model.load_state_dict(loaded["model"])
-
-
-def load_megatron_checkpoint(ckpt: Path, meta: dict):
+def load_megatron_checkpoint(ckpt: Path, meta):
     """(TP=1/PP=1 model config, {megatron full name: tensor}) of a checkpoint of any layout."""
+    from megatron_iiet.eval.checkpoint import load_model_tensors
     from megatron_iiet.model.gpt import IIETGPTModel
+    from megatron_iiet.training.checkpoint_meta import model_config_from
 
-    train_cfg = train_config_from_dict(meta["config"])
-    model_cfg = single_process_model_config(train_cfg, meta["architecture"]["vocab_size"])
-    check_rebuilds(meta, model_cfg, ckpt)
+    model_cfg = model_config_from(meta, ckpt, error=ConversionError)
     with one_process_group():
         model = IIETGPTModel(model_cfg)
         load_model_tensors(model, ckpt)

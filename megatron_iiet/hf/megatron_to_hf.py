@@ -38,7 +38,7 @@ class ExportSummary:
     seconds: float
 
 
-def tokenizer_candidates(path: str, meta: dict, ckpt: Path) -> list[Path]:
+def tokenizer_candidates(path: str, meta, ckpt: Path) -> list[Path]:
     """Where the tokenizer path a checkpoint records may point. The trainer stores it resolved;
     older checkpoints hold it as given, relative to the directory training ran in, so a
     relative path is tried as is, then from that directory (the checkpoint root minus the
@@ -49,7 +49,7 @@ def tokenizer_candidates(path: str, meta: dict, ckpt: Path) -> list[Path]:
         return [given]
     found = [given]
     ckpt = ckpt.resolve()
-    config = meta.get("config", {})
+    config = meta.config or {}
     logs = (config.get("logging") or {}).get("dir") or "outputs/run"  # TrainConfig's defaults
     named = Path((config.get("checkpoint") or {}).get("dir") or Path(logs) / "checkpoints").parts
     root = ckpt.parent.parts  # the checkpoint root: training called it `named`
@@ -59,11 +59,12 @@ def tokenizer_candidates(path: str, meta: dict, ckpt: Path) -> list[Path]:
     return list(dict.fromkeys(found))
 
 
-def resolve_tokenizer(meta: dict, override: Optional[str], ckpt: Path):
+def resolve_tokenizer(meta, override: Optional[str], ckpt: Path):
     """The checkpoint's tokenizer (or `override`), checked against the saved fingerprint."""
     from megatron_iiet.data.tokenizer import Tokenizer, fingerprint_matches
 
-    path = override or meta.get("tokenizer") or meta["config"].get("data", {}).get("tokenizer")
+    path = (override or meta.tokenizer
+            or ((meta.config or {}).get("data") or {}).get("tokenizer"))
     if not path:
         raise ConversionError(f"{ckpt / META}: names no tokenizer; pass --tokenizer PATH "
                               "(or --no-tokenizer to export the weights only)")
@@ -74,7 +75,7 @@ def resolve_tokenizer(meta: dict, override: Optional[str], ckpt: Path):
     if not existing:
         raise ConversionError(f"tokenizer {path} (named by {ckpt / META}) does not exist; pass "
                               "--tokenizer PATH (or --no-tokenizer)")
-    saved = meta.get("tokenizer_fingerprint")
+    saved = meta.tokenizer_fingerprint
     first = None
     for candidate in existing:
         try:
@@ -88,14 +89,25 @@ def resolve_tokenizer(meta: dict, override: Optional[str], ckpt: Path):
                           f"checkpoint was trained with ({saved})")
 
 
-def _model_card(summary_fields: dict, hf_config, meta: dict, with_tokenizer: bool) -> str:
+CARD_LICENSE = "apache-2.0"
+"""The card's license: the model code's (this project's). Weights trained on data with other
+terms need their card edited before publishing."""
+
+
+def _model_card(summary_fields: dict, hf_config, meta, with_tokenizer: bool) -> str:
     import yaml
 
     from megatron_iiet.model.architectures import get_architecture
 
     its = (f"- iterations per layer: {hf_config.iterations} (formulation `{hf_config.formulation}`)\n"
            if get_architecture(hf_config.architecture, hf_config.formulation).iterates else "")
+    # the Hub's card metadata: what the model page, search and the inference widget read
+    hub = {"license": CARD_LICENSE, "library_name": "transformers",
+           "pipeline_tag": "text-generation",
+           "tags": ["iiet", "megatron-iiet", hf_config.architecture.replace("_", "-"),
+                    "custom_code"]}
     return (
+        "---\n" + yaml.safe_dump(hub, sort_keys=False) + "---\n\n"
         f"# {hf_config.architecture} model ({hf_config.num_hidden_layers} layers, hidden "
         f"{hf_config.hidden_size})\n\n"
         "Converted from a megatron_iiet training checkpoint by `tools/convert_checkpoint.py`.\n\n"
@@ -103,14 +115,14 @@ def _model_card(summary_fields: dict, hf_config, meta: dict, with_tokenizer: boo
         f"- heads {hf_config.num_attention_heads} (kv {hf_config.num_key_value_heads}), FFN "
         f"{hf_config.intermediate_size}, vocab {hf_config.vocab_size}, tied embeddings "
         f"{hf_config.tie_word_embeddings}\n"
-        f"- source: `{summary_fields['source']}` (step {meta.get('step')}, layout "
-        f"{meta.get('layout')}, engine {meta.get('engine')})\n"
+        f"- source: `{summary_fields['source']}` (step {meta.step}, layout "
+        f"{meta.layout}, engine {meta.engine})\n"
         f"- weights dtype: {summary_fields['dtype']}\n\n"
         + _usage(with_tokenizer) +
         "The cached `generate` keeps one KV cache per (layer, pass), so it reproduces the "
         "full-sequence logits exactly (see docs/hf.md of megatron_iiet).\n\n"
         "## Training configuration\n\n```yaml\n"
-        + yaml.safe_dump(meta["config"], sort_keys=False) + "```\n")
+        + yaml.safe_dump(meta.config, sort_keys=False) + "```\n")
 
 
 def _usage(with_tokenizer: bool) -> str:
@@ -148,14 +160,14 @@ def _write_tokenizer(tokenizer, folder: Path) -> None:
             shutil.copy2(src / name, folder / name)
 
 
-def build_hf_model(ckpt: Path, meta: dict, tok, torch_dtype, trim_vocab: bool = False,
+def build_hf_model(ckpt: Path, meta, tok, torch_dtype, trim_vocab: bool = False,
                    allow_nonfinite: bool = False, progress: Progress = quiet,
                    max_abs_weight: Optional[float] = None):
     """(HF model in eval mode, its config, the TP=1/PP=1 megatron model config) of the
     checkpoint ``ckpt``, in memory: what ``export_to_hf`` writes, and what the evaluation's
     one-process runner scores with. ``torch_dtype`` None keeps the checkpoint's own dtype;
     ``max_abs_weight`` bounds the weights' magnitude (checks.refuse_nonfinite)."""
-    progress(f"reading {ckpt} (layout {meta.get('layout')}, engine {meta.get('engine')})")
+    progress(f"reading {ckpt} (layout {meta.layout}, engine {meta.engine})")
     model_cfg, meg = load_megatron_checkpoint(ckpt, meta)
     refuse_nonfinite(meg, ckpt, allow_nonfinite, cast_to=torch_dtype, max_abs=max_abs_weight)
     progress(f"loaded {len(meg)} tensors into one TP=1/PP=1 {model_cfg.architecture} model")
@@ -167,7 +179,7 @@ def build_hf_model(ckpt: Path, meta: dict, tok, torch_dtype, trim_vocab: bool = 
         for name in ("model.embed_tokens.weight", "lm_head.weight"):
             if name in hf:
                 hf[name] = hf[name][:vocab].contiguous()
-    seq = meta["config"].get("data", {}).get("seq_length", 2048)
+    seq = ((meta.config or {}).get("data") or {}).get("seq_length", 2048)
     hf_config = hf_config_for(model_cfg, vocab, tok, seq)
     return assemble_model(check_tensors(hf, hf_config), hf_config, torch_dtype), hf_config, model_cfg
 
@@ -213,7 +225,7 @@ def export_to_hf(src, dst, dtype: str = "fp32", trim_vocab: bool = False,
 
     write_atomically(dst, force, fill, sources=(src, ckpt))
     files = sorted(p.name for p in dst.glob("*.safetensors"))
-    return ExportSummary(str(dst), str(ckpt), model_cfg.architecture, meta.get("step"),
-                         meta.get("layout", {}), parameters, vocab, dtype, files,
+    return ExportSummary(str(dst), str(ckpt), model_cfg.architecture, meta.step,
+                         meta.layout or {}, parameters, vocab, dtype, files,
                          str(tok.path) if tok is not None else None,
                          time.perf_counter() - start)

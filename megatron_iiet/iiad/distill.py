@@ -25,7 +25,6 @@ from typing import Optional
 
 import torch
 
-from megatron_iiet.data.tokenizer import fingerprint_matches
 from megatron_iiet.errors import BadInput
 from megatron_iiet.iiad.kl import masked_token_mean, topk_kl, vocab_parallel_kl
 from megatron_iiet.training.callbacks import Callback
@@ -182,6 +181,7 @@ def load_live_teacher(index: int, section, model_config,
     from megatron_iiet.eval.checkpoint import load_for_inference
     from megatron_iiet.training.checkpoint_index import CheckpointError, read_meta, \
         resolve_checkpoint
+    from megatron_iiet.training.checkpoint_meta import check_tokenizer
 
     where = f"distill.teachers[{index}].checkpoint"
     try:
@@ -189,14 +189,11 @@ def load_live_teacher(index: int, section, model_config,
         meta = read_meta(path)
     except CheckpointError as err:
         raise BadInput(f"{where}: {err}") from None
-    arch = meta.get("architecture", {})
-    if arch.get("vocab_size") != model_config.vocab_size:
-        raise BadInput(f"{where}: {path} has a vocabulary of {arch.get('vocab_size')} (padded), "
+    if meta.vocab_size != model_config.vocab_size:
+        raise BadInput(f"{where}: {path} has a vocabulary of {meta.vocab_size} (padded), "
                        f"the student {model_config.vocab_size}: another tokenizer")
-    saved = meta.get("tokenizer_fingerprint")
-    if saved and tokenizer_fingerprint and not fingerprint_matches(saved, tokenizer_fingerprint):
-        raise BadInput(f"{where}: {path} was trained with tokenizer {saved}, the student's data "
-                       f"uses {tokenizer_fingerprint}")
+    check_tokenizer(meta.tokenizer_fingerprint, tokenizer_fingerprint,
+                    f"{where}: {path} (the student's data)", BadInput)
     try:
         loaded = load_for_inference(path, with_tokenizer=False)
     except ValueError as err:
@@ -206,8 +203,9 @@ def load_live_teacher(index: int, section, model_config,
         p.requires_grad_(False)
     if section.zero3:
         model = _zero3_partitioned(model)
-    return LiveTeacher(section.name or arch.get("architecture", f"t{index}"), section.weight,
-                       model, str(path), arch.get("architecture", "?"))
+    arch = meta.signature_value("architecture")
+    return LiveTeacher(section.name or arch or f"t{index}", section.weight, model, str(path),
+                       arch or "?")
 
 
 def _zero3_partitioned(model: torch.nn.Module) -> torch.nn.Module:

@@ -15,7 +15,6 @@ sizes only, which is cheap; checkpoints written before checksums existed are che
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -56,18 +55,17 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=step_of)
 
 
-def read_meta(path: Path) -> dict:
-    """A checkpoint's meta.json; a missing or unreadable one is a CheckpointError naming it."""
+def read_meta(path: Path):
+    """A checkpoint's meta.json as a `checkpoint_meta.CheckpointMeta`; a missing or unreadable
+    one is a CheckpointError naming it."""
+    from megatron_iiet.training.checkpoint_meta import parse_meta
+
     meta_file = Path(path) / META
     try:
-        meta = json.loads(meta_file.read_bytes().decode("utf-8"))
+        raw = meta_file.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"{meta_file}: missing (not a complete checkpoint)") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{meta_file}: not valid JSON ({err})") from None
-    if not isinstance(meta, dict) or "step" not in meta:
-        raise CheckpointError(f"{meta_file}: not a checkpoint's metadata (no 'step')")
-    return meta
+    return parse_meta(raw, meta_file)
 
 
 def manifest(directory: Path) -> dict[str, int]:
@@ -111,16 +109,16 @@ def checksum_record(sums: dict[str, str]) -> dict:
     return {"algorithm": CHECKSUM_ALGORITHM, "files": dict(sorted(sums.items()))}
 
 
-def verify_checksums(path: Path, meta: dict, rank: int = 0, world: int = 1) -> Optional[str]:
+def verify_checksums(path: Path, meta, rank: int = 0, world: int = 1) -> Optional[str]:
     """Why a file of rank ``rank``'s share no longer has the checksum recorded at commit (one
     line naming it), or None. Checkpoints without checksums pass."""
-    record = meta.get(CHECKSUMS_KEY)
+    record = meta.checksums
     if not record:
         return None
     if record.get("algorithm") != CHECKSUM_ALGORITHM:
         return (f"{Path(path) / META}: checksums of an unknown kind "
                 f"{record.get('algorithm')!r} (this version writes {CHECKSUM_ALGORITHM})")
-    recorded, sizes = record.get("files", {}), meta.get(MANIFEST_KEY, {})
+    recorded, sizes = record.get("files", {}), meta.files
     for name in share({n: sizes.get(n, 0) for n in recorded}, rank, world):
         f = Path(path) / name
         try:
@@ -140,7 +138,7 @@ def defect(path: Path) -> Optional[str]:
         meta = read_meta(path)
     except CheckpointError as err:
         return str(err)
-    for name, size in meta.get(MANIFEST_KEY, {}).items():
+    for name, size in meta.files.items():
         f = Path(path) / name
         if not f.is_file():
             return f"{f}: missing"
@@ -213,20 +211,49 @@ def newest_complete(root: Path, warn: Callable[[str], None] = print) -> Optional
     return chosen
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """The complete checkpoint a user named: an `iter_*` directory, or a root (its newest
-    complete checkpoint). Anything else is a CheckpointError naming the file at fault."""
+def resolve_checkpoint(path: str | Path, follow_latest: bool = False) -> Path:
+    """The checkpoint a user named: an `iter_*` directory, or a root: its newest complete
+    checkpoint, or with ``follow_latest`` the one its `latest` names (a conversion of "the
+    latest" must not guess: a garbled pointer is refused by name, not replaced by the listing;
+    what the pointer names is checked when it is loaded). Anything else is a CheckpointError
+    naming the file at fault."""
     p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p}: does not exist")
+    if not p.is_dir():
+        raise CheckpointError(f"{p}: not a directory (expected a megatron checkpoint directory)")
+    if (p / META).is_file() and follow_latest:
+        return p
     if step_of(p) is not None or (p / META).exists():
         problem = defect(p)
         if problem is not None:
             raise CheckpointError(f"checkpoint {p}: {problem}")
         return p
-    if p.is_dir():
-        found = newest_complete(p)
-        if found is not None:
-            return found
+    if follow_latest:
+        pointer = p / LATEST
+        if pointer.is_file():
+            return _pointed_to(pointer)
+        raise CheckpointError(f"{p}: not a megatron checkpoint (no {META}, no {LATEST} pointer); "
+                              "pass a checkpoint root or one of its iter_* directories")
+    found = newest_complete(p)
+    if found is not None:
+        return found
     raise CheckpointError(f"{path}: not a checkpoint (no {META}, no complete iter_* directory)")
+
+
+def _pointed_to(pointer: Path) -> Path:
+    try:
+        raw = pointer.read_bytes()
+    except OSError as err:
+        raise CheckpointError(f"{pointer}: unreadable ({err.strerror})") from err
+    name = checkpoint_name_in(raw)
+    if name is None:
+        raise CheckpointError(f"{pointer}: not a checkpoint pointer (expected the name of an "
+                              f"iter_* directory next to it, found {describe_contents(raw)})")
+    target = pointer.parent / name
+    if not (target / META).is_file():
+        raise CheckpointError(f"{pointer}: points to {target}, which is not a complete checkpoint")
+    return target
 
 
 @dataclass

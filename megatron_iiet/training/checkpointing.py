@@ -21,7 +21,6 @@ Retention never deletes the checkpoint just saved, nor any newer one.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import pickle
 import shutil
@@ -38,24 +37,8 @@ from megatron_iiet.training.checkpoint_index import (  # noqa: F401  (re-exporte
     CHECKSUMS_KEY, LATEST, MANIFEST_KEY, META, PARTIAL_SUFFIX, CheckpointError, checkpoint_name,
     checksum_record, checksums, list_checkpoints, manifest, newest_complete, read_meta,
     resolve_checkpoint, share, step_of, verify_checksums)
-
-
-def architecture_signature(model_config) -> dict:
-    """What must match for weights to mean the same thing."""
-    from megatron_iiet.model.architectures import get_architecture
-
-    c = model_config
-    return {
-        "architecture": c.architecture,
-        "formulation": get_architecture(c.architecture, c.formulation).formulation,
-        "num_layers": c.num_layers,
-        "hidden_size": c.hidden_size,
-        "num_attention_heads": c.num_attention_heads,
-        "num_query_groups": c.num_query_groups,
-        "ffn_hidden_size": c.ffn_hidden_size,
-        "vocab_size": c.vocab_size,
-        "share_embeddings_and_output_weights": c.share_embeddings_and_output_weights,
-    }
+from megatron_iiet.training.checkpoint_meta import (  # noqa: F401  (re-exported)
+    CheckpointMeta, architecture_signature, check_tokenizer, signature_differences, write_meta)
 
 
 def _rank() -> int:
@@ -130,9 +113,9 @@ class CheckpointManager:
                 partial.mkdir(parents=True)
             barrier()
             request = engine.save(partial, self.async_save)
-            meta = {**meta_extra, **engine.state_meta(), "step": state.step,
-                    "consumed_samples": state.consumed_samples,
-                    "skipped_steps": state.skipped_steps}
+            meta = CheckpointMeta(**meta_extra, **engine.state_meta(), step=state.step,
+                                  consumed_samples=state.consumed_samples,
+                                  skipped_steps=state.skipped_steps)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as err:  # torch.distributed.checkpoint's CheckpointException is one
@@ -150,7 +133,7 @@ class CheckpointManager:
             self._pending = partial
         return final
 
-    def _commit(self, meta: dict, partial: Path, final: Path) -> None:
+    def _commit(self, meta: CheckpointMeta, partial: Path, final: Path) -> None:
         barrier()  # every rank has written its files
         files = manifest(partial)
         try:  # each rank hashes a share of the files (the just-written bytes: page cache)
@@ -162,15 +145,14 @@ class CheckpointManager:
                  lambda err: self._failed(err, partial))
         self.log(f"saved checkpoint {final}")
 
-    def _publish(self, meta: dict, partial: Path, final: Path, files: dict[str, int],
+    def _publish(self, meta: CheckpointMeta, partial: Path, final: Path, files: dict[str, int],
                  shares: list) -> None:
         sums: dict[str, str] = {}
         for part in shares:
             if isinstance(part, OSError):
                 raise part
             sums.update(part)
-        meta = {**meta, MANIFEST_KEY: files, CHECKSUMS_KEY: checksum_record(sums)}
-        _write_text_atomic(partial / META, json.dumps(meta, indent=2, default=str))
+        write_meta(partial, meta, sums)
         superseded = final.with_name(final.name + ".superseded")
         if final.exists():  # the same step saved again (after a resume from an older one)
             os.replace(final, superseded)
@@ -228,43 +210,36 @@ class CheckpointManager:
         return newest_complete(self.root, warn=self.log)
 
 
-def check_compatible(meta: dict, model_config, tokenizer_fingerprint: Optional[str],
+def check_compatible(meta: CheckpointMeta, model_config, tokenizer_fingerprint: Optional[str],
                      path: Path, engine: str, model_only: bool = False) -> None:
     """Refuse checkpoints of another architecture, tokenizer or engine, naming the difference
     and, where there is one, the way to continue. Runs before the engine is built."""
     from megatron_iiet.training.engines import ENGINES, layout
 
-    mine = architecture_signature(model_config)
-    theirs = meta.get("architecture", {})
-    diffs = [f"{k}: checkpoint {theirs.get(k)!r} vs config {v!r}"
-             for k, v in mine.items() if theirs.get(k) != v]
+    diffs = [f"{k}: checkpoint {theirs!r} vs config {mine!r}"
+             for k, (theirs, mine) in signature_differences(meta.architecture or {},
+                                                            model_config).items()]
     if diffs:
         raise CheckpointError(f"{path}: written by another architecture ({'; '.join(diffs)})")
-    from megatron_iiet.data.tokenizer import fingerprint_matches
-
-    saved_fp = meta.get("tokenizer_fingerprint")
-    if tokenizer_fingerprint and saved_fp and not fingerprint_matches(saved_fp,
-                                                                       tokenizer_fingerprint):
-        raise CheckpointError(
-            f"{path}: trained with tokenizer {saved_fp}, but the configured data uses "
-            f"{tokenizer_fingerprint}")
-    if model_only or meta.get("model_only"):
+    check_tokenizer(meta.tokenizer_fingerprint, tokenizer_fingerprint,
+                    f"{path} (the configured data's tokenizer)")
+    if model_only or meta.model_only:
         return
-    saved_engine = meta.get("engine")
+    saved_engine = meta.engine
     if saved_engine != engine:
         raise CheckpointError(
             f"{path}: written by the {saved_engine} engine, and this run uses "
             f"parallel.engine={engine}; their optimizer states are not interchangeable. Keep "
             f"parallel.engine={saved_engine} to resume, or set checkpoint.load_model_only=true "
             "to start from its weights with a fresh optimizer and schedule (step 0)")
-    if ENGINES[engine].resume_needs_same_layout and meta.get("layout") != layout():
+    if ENGINES[engine].resume_needs_same_layout and meta.layout != layout():
         raise CheckpointError(
-            f"{path}: {engine} state was saved with layout {meta.get('layout')}; resuming it "
+            f"{path}: {engine} state was saved with layout {meta.layout}; resuming it "
             f"needs the same layout, and this run has {layout()} (or set "
             "checkpoint.load_model_only=true for its weights only)")
 
 
-def verify_for_load(path: Path, meta: Optional[dict] = None) -> None:
+def verify_for_load(path: Path, meta: Optional[CheckpointMeta] = None) -> None:
     """Before anything reads the checkpoint at ``path``: every file still has the checksum
     recorded at commit (the ranks split the hashing) and no pickle megatron reads names code
     (rank 0 reads them: `safe_pickle.check_dist_checkpoint`). Every rank raises the same
@@ -289,7 +264,7 @@ def load(engine, path: Path, seed: int, model_only: bool = False) -> TrainingSta
     weights alone, at step 0."""
     meta = read_meta(path)
     verify_for_load(path, meta)
-    if model_only or meta.get("model_only"):
+    if model_only or meta.model_only:
         engine.load_weights(path, seed)
         return TrainingState()
     try:
@@ -299,4 +274,4 @@ def load(engine, path: Path, seed: int, model_only: bool = False) -> TrainingSta
         raise CheckpointError(
             f"{path}: cannot be read ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
             "set checkpoint.load to an earlier iter_* directory") from err
-    return TrainingState(meta["step"], meta["consumed_samples"], meta.get("skipped_steps", 0))
+    return TrainingState(meta.step, meta.consumed_samples, meta.skipped_steps)

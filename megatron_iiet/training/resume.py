@@ -24,6 +24,7 @@ from typing import Optional
 
 from megatron_iiet.errors import BadInput
 from megatron_iiet.training.config import TrainConfig
+from megatron_iiet.training.checkpoint_meta import CheckpointMeta
 from megatron_iiet.training.data import ORDER_VERSION
 
 _SCHEDULE_FIELDS = (("schedule", "train_steps"), ("schedule", "warmup_steps"),
@@ -41,13 +42,13 @@ class ResumePoint:
     """``section.field old -> new`` for every schedule/batch field that differs."""
 
 
-def resume_point(meta: Optional[dict], cfg: TrainConfig, model_only: bool,
+def resume_point(meta: Optional[CheckpointMeta], cfg: TrainConfig, model_only: bool,
                  path: object = "the checkpoint") -> ResumePoint:
     """Where the stream continues, and the config changes the resume applies; an operator error
     for a change that cannot be applied."""
-    if meta is None or model_only or meta.get("model_only"):
+    if meta is None or model_only or meta.model_only:
         return ResumePoint()
-    saved = meta.get("config") or {}
+    saved = meta.config or {}
 
     def old(section: str, name: str):
         return (saved.get(section) or {}).get(name)
@@ -59,8 +60,8 @@ def resume_point(meta: Optional[dict], cfg: TrainConfig, model_only: bool,
             f"{cfg.data.seq_length}; its data position counts sequences of {old_seq} tokens. "
             "Keep the length, or set checkpoint.load_model_only=true to start a new data stream "
             "on these weights")
-    point = ResumePoint(step=int(meta["step"]), consumed_samples=int(meta["consumed_samples"]),
-                        legacy_order=meta.get("data_order") != ORDER_VERSION)
+    point = ResumePoint(step=meta.step, consumed_samples=meta.consumed_samples,
+                        legacy_order=meta.data_order != ORDER_VERSION)
     for section, name in _SCHEDULE_FIELDS:
         before, now = old(section, name), getattr(getattr(cfg, section), name)
         if before is not None and before != now:

@@ -163,7 +163,7 @@ def _resume_plan(cfg: TrainConfig, root: Path, say) -> tuple[Optional[Path], lis
     start = 0
     if path is not None and not model_only:
         meta = index.read_meta(path)
-        start = 0 if meta.get("model_only") else meta["step"]
+        start = 0 if meta.model_only else meta.step
     newer = index.newer_than(root, start)
     if newer.newer and not cfg.checkpoint.overwrite:
         raise index.CheckpointError(newer.message(root, start))

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from megatron_iiet.training.checkpoint_meta import CheckpointMeta
 from tests.convert.conftest import (assert_nothing_written, assert_refused, copy_checkpoint,
                                     hf_state, run_cli)
 
@@ -219,5 +220,25 @@ def test_a_checkpoint_with_the_legacy_tokenizer_fingerprint_exports(checkpoints,
     assert proc.returncode == 0, proc.stderr
     assert Tokenizer.from_path(tmp_path / "out").fingerprint == tokenizer.fingerprint
     with pytest.raises(ValueError, match="is not the one the checkpoint was trained with"):
-        resolve_tokenizer({**meta, "tokenizer_fingerprint": "spm-sha256:another"}, None,
-                          meta_file.parent)
+        resolve_tokenizer(CheckpointMeta.from_dict(
+            {**meta, "tokenizer_fingerprint": "spm-sha256:another"}), None, meta_file.parent)
+
+
+# ---- issue 28, one owner of the checkpoint contract: an imported checkpoint carries the same
+# manifest and checksums as a trained one, so a change inside it is found at load --------------
+def test_an_imported_checkpoint_is_integrity_checked_at_load(checkpoints, tmp_path):
+    from megatron_iiet.training.checkpoint_index import manifest, read_meta
+
+    root = Path(shutil.copytree(checkpoints[2], tmp_path / "imported"))  # imported by 2 ranks
+    ckpt = root / "iter_0000000"
+    meta = read_meta(ckpt)
+    assert meta.model_only and meta.files == manifest(ckpt)
+    assert sorted(meta.checksums["files"]) == sorted(meta.files)
+    assert any(name.startswith("tokenizer/") for name in meta.files)
+    shard = max(ckpt.glob("*.distcp"), key=lambda f: f.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, same name: only the checksum can tell
+    shard.write_bytes(bytes(data))
+    assert_refused(run_cli("megatron-to-hf", root, tmp_path / "out", "--quiet"),
+                   f"{shard}: altered since it was saved")
+    assert_nothing_written(tmp_path / "out")

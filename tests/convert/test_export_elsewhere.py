@@ -139,3 +139,19 @@ def test_model_card_snippet_runs_no_code_from_the_folder(old_export, tmp_path):
     card = (folder / "README.md").read_text()
     assert "trust_remote_code=True" not in card_snippet(folder)
     assert "trust_remote_code=True" in card and "runs this folder's own" in card
+
+
+def test_model_card_carries_the_hubs_metadata(old_export):
+    """YAML front matter as the Hugging Face Hub reads it: license, library, pipeline, tags."""
+    import yaml
+
+    proc, folder = old_export
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    card = (folder / "README.md").read_text()
+    assert card.startswith("---\n")
+    front = yaml.safe_load(card.split("---\n")[1])
+    assert front["license"] == "apache-2.0" and front["library_name"] == "transformers"
+    assert front["pipeline_tag"] == "text-generation"
+    assert {"iiet", "megatron-iiet", "custom_code"} <= set(front["tags"])
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architecture"].replace("_", "-") in front["tags"]

@@ -158,8 +158,8 @@ def test_checkpoint_callback_saves_by_interval_and_at_the_end_with_any_engine(tm
     assert summary.checkpoint == str(root / "iter_0000005")
     assert [r["step"] for r in _records(tmp_path, "checkpoint")] == [2, 4, 5]
     meta = read_meta(root / "iter_0000005")
-    assert meta["engine"] == "linear" and meta["step"] == 5 and meta["consumed_samples"] == 40
-    assert meta["files"] == {"weights.pt": (root / "iter_0000005" / "weights.pt").stat().st_size}
+    assert meta.engine == "linear" and meta.step == 5 and meta.consumed_samples == 40
+    assert meta.files == {"weights.pt": (root / "iter_0000005" / "weights.pt").stat().st_size}
     assert defect(root / "iter_0000005") is None
     # the engine-agnostic load restores what it saved
     engine = LinearEngine(seed=99)

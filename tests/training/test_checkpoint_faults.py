@@ -309,3 +309,21 @@ def test_a_checkpoint_of_the_previous_format_resumes_exactly(tiny_data, referenc
     meta.update(files=manifest(older), tokenizer_fingerprint=tokenizer.legacy_fingerprint)
     (older / "meta.json").write_text(json.dumps(meta))
     _resumed_exactly(_resume(tiny_data, run), run, reference, 8)
+
+
+def test_a_checkpoint_before_the_typed_meta_resumes_exactly(tiny_data, reference, tmp_path):
+    """Issue 28, the checkpoint contract: a meta.json without `version`, manifest, checksums,
+    `skipped_steps` and the tokenizer path (fields added over time), and with a key of some
+    newer version, still resumes, and the next save writes the current version."""
+    from megatron_iiet.training.checkpoint_index import read_meta
+    from megatron_iiet.training.checkpoint_meta import META_VERSION
+
+    run = copy_checkpoints(reference, tmp_path / "run")
+    shutil.rmtree(run / "checkpoints" / "iter_0000010")
+    older = run / "checkpoints" / "iter_0000008"
+    meta = json.loads((older / "meta.json").read_text())
+    for later in ("version", "files", "checksums", "skipped_steps", "tokenizer"):
+        meta.pop(later)
+    (older / "meta.json").write_text(json.dumps({**meta, "from_a_newer_version": [1]}))
+    _resumed_exactly(_resume(tiny_data, run), run, reference, 8)
+    assert read_meta(run / "checkpoints" / "iter_0000010").version == META_VERSION

@@ -27,6 +27,7 @@ def state_round_trip(engine_name: str, directory: str) -> dict:
     from pathlib import Path
 
     from megatron_iiet.distributed import seed_everything
+    from megatron_iiet.training.checkpoint_meta import CheckpointMeta
     from megatron_iiet.training.engines import init_deepspeed_distributed
     from tests.workers import micro_batches
 
@@ -38,7 +39,7 @@ def state_round_trip(engine_name: str, directory: str) -> dict:
     for b in batches[:2]:
         engine.train_step(b)
     engine.save(Path(directory))
-    meta = {**engine.state_meta(), "step": 2}
+    meta = CheckpointMeta(**engine.state_meta(), step=2)
     third = engine.train_step(batches[2])
     after = engine.parameters_digest()
 

@@ -118,6 +118,7 @@ def test_seq_length_change_is_refused_unless_model_only(tiny_data, tmp_path):
 
 def test_resume_point_rules():
     from megatron_iiet.errors import BadInput
+    from megatron_iiet.training.checkpoint_meta import CheckpointMeta
     from megatron_iiet.training.config import load_config
     from megatron_iiet.training.data import ORDER_VERSION
     from megatron_iiet.training.resume import resume_point
@@ -127,15 +128,15 @@ def test_resume_point_rules():
     saved["schedule"] = {**saved["schedule"], "train_steps": 30}
     meta = {"step": 30, "consumed_samples": 30 * cfg.parallel.global_batch_size,
             "config": saved, "data_order": ORDER_VERSION}
-    point = resume_point(meta, cfg, model_only=False)
+    point = resume_point(CheckpointMeta.from_dict(meta), cfg, model_only=False)
     assert point.changes == ["schedule.train_steps 30 -> 40"] and not point.legacy_order
     # an older checkpoint (no data_order): its order depends on the run's size, so refused
     legacy = {k: v for k, v in meta.items() if k != "data_order"}
     with pytest.raises(BadInput, match="reshuffle"):
-        resume_point(legacy, cfg, model_only=False)
+        resume_point(CheckpointMeta.from_dict(legacy), cfg, model_only=False)
     unchanged = {**legacy, "config": cfg.to_dict()}
-    assert resume_point(unchanged, cfg, model_only=False).legacy_order
+    assert resume_point(CheckpointMeta.from_dict(unchanged), cfg, model_only=False).legacy_order
     short = load_config(None, ["schedule.train_steps=20", "schedule.warmup_steps=2"])
     with pytest.raises(BadInput, match="below the step"):
-        resume_point(meta, short, model_only=False)
-    assert resume_point(meta, short, model_only=True).step == 0
+        resume_point(CheckpointMeta.from_dict(meta), short, model_only=False)
+    assert resume_point(CheckpointMeta.from_dict(meta), short, model_only=True).step == 0
