@@ -61,3 +61,11 @@ def weights(model):
     if model.config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     return sd
+
+
+def export(tmp_path, seed=11, **overrides):
+    """(model, folder): a tiny random model saved with save_pretrained under tmp_path/export."""
+    model = tiny_model(seed=seed, **overrides)
+    folder = tmp_path / "export"
+    model.save_pretrained(folder)
+    return model, folder

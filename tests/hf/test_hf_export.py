@@ -10,7 +10,7 @@ import textwrap
 import torch
 from safetensors.torch import load_file
 
-from hf_helpers import tiny_model
+from hf_helpers import export, tiny_model
 from megatron_iiet.hf import IIETForCausalLM
 
 PROMPT = [[5, 17, 99, 3, 42, 7]]
@@ -34,13 +34,6 @@ CHILD = textwrap.dedent(
     """
     % (PROMPT,)
 )
-
-
-def export(tmp_path, **extra):
-    model = tiny_model(seed=11, **extra)
-    folder = tmp_path / "export"
-    model.save_pretrained(folder)
-    return model, folder
 
 
 def test_export_folder_layout(tmp_path):

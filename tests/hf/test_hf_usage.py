@@ -11,24 +11,17 @@ import pytest
 import torch
 from transformers import AutoModel, AutoModelForCausalLM
 
-from hf_helpers import tiny_model
+from hf_helpers import export, tiny_model
 
 IDS = torch.tensor([[5, 17, 99, 3, 42, 7, 8, 1]])
 ARCHITECTURES = [dict(architecture="iiet"), dict(architecture="pcformer_rk2"),
                  dict(architecture="vanilla")]
 
 
-def _export(tmp_path, **extra):
-    model = tiny_model(seed=3, **extra)
-    folder = tmp_path / "export"
-    model.save_pretrained(folder)
-    return model, folder
-
-
 def test_auto_model_loads_the_base_model_registered_and_from_the_folder(tmp_path):
     import megatron_iiet.hf  # noqa: F401  (registers the classes)
 
-    model, folder = _export(tmp_path, architecture="iiet")
+    model, folder = export(tmp_path, seed=3, architecture="iiet")
     base = AutoModel.from_pretrained(folder).eval()
     assert type(base).__name__ == "IIETModel"
     with torch.no_grad():
@@ -88,7 +81,7 @@ def test_gradient_checkpointing_recomputes_the_passes():
 def test_bf16_load_casts_every_parameter(tmp_path, arch):
     import megatron_iiet.hf  # noqa: F401
 
-    model, folder = _export(tmp_path, **arch)
+    model, folder = export(tmp_path, seed=3, **arch)
     half = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
     dtypes = {n: p.dtype for n, p in half.named_parameters()}
     assert set(dtypes.values()) == {torch.bfloat16}, {n: d for n, d in dtypes.items()
