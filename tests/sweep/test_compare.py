@@ -43,11 +43,11 @@ def test_equal_tokens_table_shows_the_seed_mean_and_spread():
     lines = table.splitlines()
     assert lines[0] == ("| size | non-emb params | tokens | vanilla (valid) | iiet (valid) | "
                         "vanilla (wikitext) | iiet (wikitext) | FLOPs vanilla | FLOPs iiet |")
-    xs_1m = next(line for line in lines if line.startswith("| xs | 0.100M | 1.0M |"))
+    xs_1m = next(line for line in lines if line.startswith("| xs | 0.100M | 1M |"))
     cells = [c.strip() for c in xs_1m.strip("|").split("|")]
     assert cells[3] == "4.933 ± 0.153 (n=3)" and cells[4] == "5.300"
     assert cells[5] == "5.933 ± 0.153 (n=3)" and cells[6] == "6.200"
     assert cells[7] == "6e+11" and cells[8] == "6.06e+11"
-    xs_3m = next(line for line in lines if line.startswith("| xs | 0.100M | 3.0M |"))
+    xs_3m = next(line for line in lines if line.startswith("| xs | 0.100M | 3M |"))
     assert [c.strip() for c in xs_3m.strip("|").split("|")][3:5] == ["4.500", ""]
     assert lines.index(xs_3m) < next(i for i, line in enumerate(lines) if line.startswith("| s |"))
