@@ -101,7 +101,9 @@ def initialize(
         # A lone process needs no agreed port: take a free one, so two single-process jobs on
         # one machine do not collide on a fixed default.
         os.environ.setdefault("MASTER_PORT", str(free_port() if world == 1 else 29500))
-        backend = "nccl" if cuda_available() else "gloo"
+        # With CUDA, NCCL carries the GPU tensors and gloo the small CPU ones (stop flags, metric
+        # sums, all_gather_object): one default group serves both, as torchtitan sets it up.
+        backend = "cpu:gloo,cuda:nccl" if cuda_available() else "gloo"
         if cuda_available():
             torch.cuda.set_device(local)
             # NCCL's watchdog only ends a timed-out collective with error handling on

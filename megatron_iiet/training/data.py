@@ -302,8 +302,4 @@ def micro_batch_loader(dataset, consumed_samples: int, micro_batch_size: int, dp
     loader = DataLoader(_WithSampleIndex(dataset), batch_sampler=sampler, num_workers=num_workers,
                         persistent_workers=False, generator=torch.Generator().manual_seed(0),
                         worker_init_fn=ignore_preemption_signals if num_workers else None)
-    from megatron_iiet.platform import compute_device
-
-    device = compute_device()  # the model's (on a GPU, batches must follow it there)
-    return ({k: v.to(device, non_blocking=True) for k, v in _to_model_batch(b).items()}
-            for b in loader)
+    return (_to_model_batch(b) for b in loader)  # forward_backward moves them to the model

@@ -51,13 +51,19 @@ def protect_spawned_helper(module_name: str) -> None:
 def _end_daemonic_helpers() -> None:
     """Daemonic children (data-loader workers) are terminated at interpreter exit with
     SIGTERM, which ours ignore: end any still alive here with SIGKILL, which is what their
-    daemonic status promises (they die with their parent), so the exit cannot hang."""
+    daemonic status promises (they die with their parent), so the exit cannot hang.
+
+    PyTorch's SIGCHLD handler reports a worker killed while its loader is still referenced as
+    a failure ("DataLoader worker ... is killed by signal"), which failed a finished run on a
+    GPU: these deaths are ours, so that handler is removed first."""
     import multiprocessing
 
-    for child in multiprocessing.active_children():
-        if child.daemon:
-            child.kill()
-            child.join(5)
+    helpers = [c for c in multiprocessing.active_children() if c.daemon]
+    if helpers and hasattr(signal, "SIGCHLD"):
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in helpers:
+        child.kill()
+        child.join(5)
 
 
 def launcher_pid() -> Optional[int]:

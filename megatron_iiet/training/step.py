@@ -23,6 +23,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_iiet.model.sharding import pipeline_shared_params
+from megatron_iiet.platform import compute_device
 
 
 def _grad_buffer(p: torch.Tensor):
@@ -118,6 +119,7 @@ def forward_backward(
     The returned gradients are those of the mean over micro-batches.
     """
     objective = objective or LANGUAGE_MODEL
+    micro_batches = _on_compute_device(micro_batches)
     objective.prepare(micro_batches, training=not forward_only)
 
     def forward_step(data_iterator: Iterator, model):
@@ -129,6 +131,14 @@ def forward_backward(
         if model.config.finalize_model_grads_func is None:
             allreduce_cross_stage_grads([model])
     return [{k: float(v) for k, v in m.items()} for m in metrics]
+
+
+def _on_compute_device(micro_batches: list[dict]) -> list[dict]:
+    """The micro-batches on the model's device, wherever they were made (the training loader,
+    evaluation windows read from disk): on a GPU the model cannot read CPU tensors."""
+    device = compute_device()
+    return [{k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v
+             for k, v in batch.items()} for batch in micro_batches]
 
 
 def _run_schedule(model, micro_batches: list[dict], forward_step, forward_only: bool,

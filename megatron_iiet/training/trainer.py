@@ -217,6 +217,7 @@ def build_trainer(cfg: TrainConfig, preemption, objective=None,
     from megatron_iiet.model.flops import step_flops
     from megatron_iiet.model.gpt import IIETGPTModel
     from megatron_iiet.model.sharding import init_layout_independent
+    from megatron_iiet.platform import compute_device
     from megatron_iiet.training import checkpointing as ckpt
     from megatron_iiet.training.data import (
         ORDER_VERSION, build_datasets, micro_batch_loader, resolve_sources)
@@ -257,7 +258,9 @@ def build_trainer(cfg: TrainConfig, preemption, objective=None,
                            "would replace it (leave one of the two)")
         objective = distill_objective
 
-    model = IIETGPTModel(model_config)
+    # megatron builds its parallel layers on the GPU but plain torch modules (norms, the history)
+    # on the CPU; Megatron-LM's get_model moves the whole model likewise
+    model = IIETGPTModel(model_config).to(compute_device())
     init_layout_independent(model, cfg.seed)
     engine = build_engine(cfg, model, objective)
     state = ckpt.TrainingState()
