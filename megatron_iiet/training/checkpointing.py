@@ -210,17 +210,28 @@ class CheckpointManager:
         return newest_complete(self.root, warn=self.log)
 
 
+# What a model-only start may change (two-stage training: a vanilla run continued as IIET):
+# the step scheme around the same layer weights. What the new scheme adds (the history, PCformer's
+# alpha) starts from its initialisation; weights the new scheme has no place for are refused.
+MAPPABLE_DIFFERENCES = frozenset({"architecture", "formulation"})
+
+
 def check_compatible(meta: CheckpointMeta, model_config, tokenizer_fingerprint: Optional[str],
                      path: Path, engine: str, model_only: bool = False) -> None:
     """Refuse checkpoints of another architecture, tokenizer or engine, naming the difference
     and, where there is one, the way to continue. Runs before the engine is built."""
     from megatron_iiet.training.engines import ENGINES, layout
 
+    differences = signature_differences(meta.architecture or {}, model_config)
     diffs = [f"{k}: checkpoint {theirs!r} vs config {mine!r}"
-             for k, (theirs, mine) in signature_differences(meta.architecture or {},
-                                                            model_config).items()]
-    if diffs:
-        raise CheckpointError(f"{path}: written by another architecture ({'; '.join(diffs)})")
+             for k, (theirs, mine) in differences.items()]
+    weights_only = model_only or meta.model_only
+    if diffs and not (weights_only and set(differences) <= MAPPABLE_DIFFERENCES):
+        hint = ("; a model-only start (checkpoint.init_from, or load_model_only) may take the "
+                "weights of another architecture where they map"
+                if set(differences) <= MAPPABLE_DIFFERENCES else "")
+        raise CheckpointError(
+            f"{path}: written by another architecture ({'; '.join(diffs)}){hint}")
     check_tokenizer(meta.tokenizer_fingerprint, tokenizer_fingerprint,
                     f"{path} (the configured data's tokenizer)")
     if model_only or meta.model_only:
@@ -258,14 +269,19 @@ def verify_for_load(path: Path, meta: Optional[CheckpointMeta] = None) -> None:
         raise CheckpointError(found[0])
 
 
-def load(engine, path: Path, seed: int, model_only: bool = False) -> TrainingState:
+def load(engine, path: Path, seed: int, model_only: bool = False, log=print) -> TrainingState:
     """Restore ``engine`` from the checkpoint at ``path`` (checked with ``check_compatible``
     first, its files with ``verify_for_load``); ``model_only`` (or a model-only checkpoint): the
-    weights alone, at step 0."""
+    weights alone, at step 0, also from another architecture (``MAPPABLE_DIFFERENCES``)."""
     meta = read_meta(path)
     verify_for_load(path, meta)
     if model_only or meta.model_only:
-        engine.load_weights(path, seed)
+        other = signature_differences(meta.architecture or {}, engine.module.config)
+        fresh = engine.load_weights(path, seed, mapped=bool(other))
+        if fresh:
+            log(f"took the {other['architecture'][0] if 'architecture' in other else 'saved'} "
+                f"weights of {path}; {len(fresh)} weights of this architecture start from their "
+                f"initialisation: {', '.join(_layer_patterns(fresh))}")
         return TrainingState()
     try:
         engine.load(path, meta, seed)
@@ -275,3 +291,48 @@ def load(engine, path: Path, seed: int, model_only: bool = False) -> TrainingSta
             f"{path}: cannot be read ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
             "set checkpoint.load to an earlier iter_* directory") from err
     return TrainingState(meta.step, meta.consumed_samples, meta.skipped_steps)
+
+
+def mapped_weights(sharded: dict, directory: Path) -> tuple[dict, list[str]]:
+    """(the part of a model's sharded state dict the checkpoint at ``directory`` holds, the
+    names of the rest). Refuses, naming them, checkpoint weights this model has no place for
+    (on any rank) and shapes that differ."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    saved = {k: v for k, v in dist_checkpointing.load_tensors_metadata(str(directory)).items()
+             if not k.startswith("optimizer.")}  # a full checkpoint's optimizer state stays
+    kept, fresh, used = {}, [], set()
+    for name, entry in sharded.items():
+        key = getattr(entry, "key", None)
+        if not isinstance(entry, (ShardedTensor, ShardedTensorFactory)):
+            kept[name] = entry  # layers' extra state: the same megatron layers in both
+            continue
+        if isinstance(entry, ShardedTensorFactory):  # saved under key or key_w / key_v (SwiGLU)
+            matches = [k for k in saved if k == key or k.startswith(key + "_")]
+        else:
+            matches = [key] if key in saved else []
+            if matches and tuple(saved[key].global_shape) != tuple(entry.global_shape):
+                raise CheckpointError(
+                    f"{directory}: {key} has shape {tuple(saved[key].global_shape)} there and "
+                    f"{tuple(entry.global_shape)} in this model")
+        if matches:
+            kept[name] = entry
+            used.update(matches)
+        else:
+            fresh.append(name)
+    everywhere = set().union(*all_gather(sorted(used)))
+    unplaced = sorted(set(saved) - everywhere)
+    if unplaced:
+        raise CheckpointError(
+            f"{directory}: {len(unplaced)} of its weights have no place in this model "
+            f"({', '.join(_layer_patterns(unplaced)[:3])}); a model-only start can add what "
+            "an architecture adds (vanilla into IIET), not drop weights")
+    return kept, fresh
+
+
+def _layer_patterns(names: list[str]) -> list[str]:
+    """Names with their layer numbers folded (decoder.layers.*.history.pop_weight), in order."""
+    import re
+
+    return list(dict.fromkeys(re.sub(r"\.layers\.\d+\.", ".layers.*.", n) for n in names))

@@ -229,17 +229,25 @@ class Engine:
 
             seed_everything(seed + meta.step)
 
-    def load_weights(self, directory: Path, seed: int) -> None:
+    def load_weights(self, directory: Path, seed: int, mapped: bool = False) -> list[str]:
         """The weights alone (any engine's checkpoint, or a converted one): optimizer and
-        schedule stay fresh."""
+        schedule stay fresh. ``mapped``: the checkpoint is another architecture's, and the
+        weights it lacks keep their initialisation; returns their names."""
         from megatron_iiet.distributed import seed_everything
+        from megatron_iiet.training.checkpointing import mapped_weights
 
         with self.full_parameters(modify=True):
-            loaded = dist_checkpointing.load({"model": self.module.sharded_state_dict()},
-                                             str(directory))
-            self.module.load_state_dict(loaded["model"])
+            sharded, fresh = self.module.sharded_state_dict(), []
+            if mapped:
+                sharded, fresh = mapped_weights(sharded, directory)
+            loaded = dist_checkpointing.load({"model": sharded}, str(directory))
+            result = self.module.load_state_dict(loaded["model"], strict=not mapped)
+            if mapped and (result.unexpected_keys or set(result.missing_keys) != set(fresh)):
+                raise RuntimeError(f"mapped load of {directory}: missing {result.missing_keys}, "
+                                   f"unexpected {result.unexpected_keys}, expected {fresh}")
         self._refresh_master_params()
         seed_everything(seed)
+        return fresh
 
     def full_parameters(self, modify: bool = False):
         """Parameters are whole on their rank unless an engine partitions them."""

@@ -267,7 +267,7 @@ def build_trainer(cfg: TrainConfig, preemption, objective=None,
     load_seconds = None
     if load_path is not None:
         t0 = time.perf_counter()
-        state = ckpt.load(engine, load_path, cfg.seed, model_only)
+        state = ckpt.load(engine, load_path, cfg.seed, model_only, log=say)
         load_seconds = time.perf_counter() - t0
 
     reporter = MetricsLogger(cfg.logging.dir, rank == 0, cfg.schedule.train_steps, state.step,
