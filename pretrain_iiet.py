@@ -72,7 +72,7 @@ def main(argv=None) -> int:
 
     from megatron_iiet.distributed import teardown
     from megatron_iiet.errors import OperatorError
-    from megatron_iiet.training.trainer import TooManySkippedSteps, train
+    from megatron_iiet.run import TooManySkippedSteps, train
 
     try:
         summary = train(cfg)

@@ -82,3 +82,15 @@ class TaskEvaluationCallback(Callback):
         trainer.reporter.event("tasks", step, seconds=seconds, **self.last_metrics)
         shown = ", ".join(f"{k} {v:.4g}" for k, v in self.last_metrics.items())
         trainer.reporter.message(f"tasks at step {step} ({seconds:.1f}s): {shown}")
+
+
+def task_evaluation(cfg, tokenizer, preemption) -> Optional[TaskEvaluationCallback]:
+    """The ``eval.tasks`` section's callback (None without tasks), its tasks checked (names,
+    data files) before anything is trained."""
+    if not cfg.eval.tasks:
+        return None
+    from megatron_iiet.distributed import on_rank0
+    from megatron_iiet.eval.tasks import resolve_tasks
+
+    tasks = on_rank0(lambda: resolve_tasks(cfg.eval.tasks, cfg.eval.tasks_data_dir))
+    return TaskEvaluationCallback(cfg.eval, tasks, tokenizer, cfg.data.seq_length, preemption)

@@ -116,7 +116,7 @@ class TokensSeen(Callback):
 
 def train_with_callback(overrides: list) -> dict:
     from megatron_iiet.training.config import load_config
-    from megatron_iiet.training.trainer import train
+    from megatron_iiet.run import train
 
     summary = train(load_config(None, overrides), callbacks=(TokensSeen(),))
     return {"steps": summary.steps}
