@@ -66,6 +66,16 @@ def on_rank0(fn: Callable[[], Any],
     return outcome[1]
 
 
+def rank() -> int:
+    """This process's rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """The number of ranks (1 without a process group)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def all_gather(value: Any) -> list[Any]:
     """Every rank's ``value`` in rank order, on every rank (``[value]`` without a group)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:

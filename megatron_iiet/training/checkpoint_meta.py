@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from megatron_iiet.data.atomic import write_bytes_atomic
 from megatron_iiet.training.checkpoint_index import (CHECKSUMS_KEY, META, MANIFEST_KEY,
                                                      CheckpointError, checksum_record,
                                                      checksums, manifest)
@@ -168,13 +168,8 @@ def write_meta(directory: Path, meta: CheckpointMeta,
         CheckpointMeta.from_dict(meta.to_dict(), directory / META)
     except CheckpointError as err:
         raise TypeError(f"writing {err}") from None
-    target = directory / META
-    tmp = target.with_name(target.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(meta.to_dict(), indent=2, default=str))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
+    write_bytes_atomic(directory / META,
+                       json.dumps(meta.to_dict(), indent=2, default=str).encode())
     return meta
 
 

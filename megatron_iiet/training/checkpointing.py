@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import torch.distributed as dist
 from megatron.core.dist_checkpointing.core import CheckpointingException
 
-from megatron_iiet.distributed import all_gather, barrier, on_rank0
+from megatron_iiet.data.atomic import write_bytes_atomic
+from megatron_iiet.distributed import all_gather, barrier, on_rank0, rank, world_size
 from megatron_iiet.storage import storage_error
 from megatron_iiet.training.checkpoint_index import (  # noqa: F401  (re-exported)
     CHECKSUMS_KEY, LATEST, MANIFEST_KEY, META, PARTIAL_SUFFIX, CheckpointError, checkpoint_name,
@@ -39,23 +39,6 @@ from megatron_iiet.training.checkpoint_index import (  # noqa: F401  (re-exporte
     resolve_checkpoint, share, step_of, verify_checksums)
 from megatron_iiet.training.checkpoint_meta import (  # noqa: F401  (re-exported)
     CheckpointMeta, architecture_signature, check_tokenizer, signature_differences, write_meta)
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -91,7 +74,7 @@ class CheckpointManager:
         self.replaces = list(replaces)
         self.log = log
         self._async_queue = None
-        if _rank() == 0:
+        if rank() == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in self.root.glob(f"iter_*{PARTIAL_SUFFIX}"):
                 shutil.rmtree(stale, ignore_errors=True)  # an interrupted save of this directory
@@ -108,7 +91,7 @@ class CheckpointManager:
         partial = self.root / (name + PARTIAL_SUFFIX)
         self.finalize_pending(blocking=True)
         try:
-            if _rank() == 0:
+            if rank() == 0:
                 shutil.rmtree(partial, ignore_errors=True)
                 partial.mkdir(parents=True)
             barrier()
@@ -137,7 +120,7 @@ class CheckpointManager:
         barrier()  # every rank has written its files
         files = manifest(partial)
         try:  # each rank hashes a share of the files (the just-written bytes: page cache)
-            mine: dict | OSError = checksums(partial, share(files, _rank(), _world()))
+            mine: dict | OSError = checksums(partial, share(files, rank(), world_size()))
         except OSError as err:
             mine = err
         shares = all_gather(mine)
@@ -158,7 +141,7 @@ class CheckpointManager:
             os.replace(final, superseded)
         os.replace(partial, final)
         _fsync_dir(self.root)
-        _write_text_atomic(self.root / LATEST, final.name)
+        write_bytes_atomic(self.root / LATEST, final.name.encode())
         shutil.rmtree(superseded, ignore_errors=True)
         self._retire(final)
 
@@ -258,8 +241,9 @@ def verify_for_load(path: Path, meta: Optional[CheckpointMeta] = None) -> None:
     from megatron_iiet.safe_pickle import check_dist_checkpoint
 
     path = Path(path)
-    problem = verify_checksums(path, read_meta(path) if meta is None else meta, _rank(), _world())
-    if problem is None and _rank() == 0:
+    meta = read_meta(path) if meta is None else meta
+    problem = verify_checksums(path, meta, rank(), world_size())
+    if problem is None and rank() == 0:
         try:
             check_dist_checkpoint(path)
         except CheckpointError as err:

@@ -115,12 +115,10 @@ def read_rng_state(path: Path) -> dict:
         return load_data(path, path)
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def _rng_file(directory: Path) -> Path:
-    return Path(directory) / "rng" / f"rank{_rank()}.pt"
+    from megatron_iiet.distributed import rank
+
+    return Path(directory) / "rng" / f"rank{rank()}.pt"
 
 
 def build_scheduler(cfg: TrainConfig, optimizer) -> OptimizerParamScheduler:
@@ -263,6 +261,11 @@ class Engine:
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)
 
+    def _means(self, metrics: list[dict]) -> tuple[float, dict]:
+        """(loss, the objective's other terms): each the mean over micro-batches and ranks."""
+        means = _global_means(metrics, self.objective.metric_names)
+        return means.pop("loss"), means
+
 
 class MegatronEngine(Engine):
     name = "megatron"
@@ -300,10 +303,6 @@ class MegatronEngine(Engine):
 
         model.config.no_sync_func = self.model.no_sync
         model.config.finalize_model_grads_func = finalize
-
-    def _means(self, metrics: list[dict]) -> tuple[float, dict]:
-        means = _global_means(metrics, self.objective.metric_names)
-        return means.pop("loss"), means
 
     def train_step(self, micro_batches: list[dict]) -> StepResult:
         self.model.zero_grad_buffer()
@@ -418,10 +417,6 @@ class DeepSpeedEngine(Engine):
     def _loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
         loss, metrics = self.objective.loss(batch, self.objective.forward(self.model, batch))
         return loss, {k: float(v) for k, v in metrics.items()}
-
-    def _means(self, metrics: list[dict]) -> tuple[float, dict]:
-        means = _global_means(metrics, self.objective.metric_names)
-        return means.pop("loss"), means
 
     def train_step(self, micro_batches: list[dict]) -> StepResult:
         metrics = []

@@ -42,20 +42,14 @@ def collective_timeout_s(stall_timeout_s: float, collective_timeout: Optional[fl
     return stall_timeout_s + 600.0 if stall_timeout_s else 600.0
 
 
-def _rank_and_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 class StallWatchdog(Callback):
     def __init__(self, stall_timeout_s: float, directory: str | os.PathLike):
         self.timeout = stall_timeout_s
         self.directory = Path(directory)
         self.beat_seconds = min(_MAX_BEAT_SECONDS, stall_timeout_s / 10)
-        self.rank, self.world = _rank_and_world()
+        from megatron_iiet.distributed import rank, world_size
+
+        self.rank, self.world = rank(), world_size()
         self.host = socket.gethostname()
         self._progress = time.monotonic()
         self._step = 0
