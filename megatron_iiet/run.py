@@ -42,8 +42,9 @@ def _lock_run_directories(cfg: TrainConfig, world: int) -> list:
     return locks
 
 
-def _resume_plan(cfg: TrainConfig, root: Path, say) -> tuple[Optional[Path], list, bool]:
-    """(checkpoint to load, checkpoints this run overwrites, weights only?), decided on rank 0.
+def _resume_plan(cfg: TrainConfig, root: Path, say) -> tuple[Optional[Path], list, bool, bool]:
+    """(checkpoint to load, checkpoints this run overwrites, weights only?, is it init_from?),
+    decided on rank 0.
 
     ``checkpoint.init_from`` is the start of a run that has no checkpoint of its own yet (a
     student initialised from its IIET); once it has saved, ``load: auto`` resumes it instead.
@@ -56,12 +57,14 @@ def _resume_plan(cfg: TrainConfig, root: Path, say) -> tuple[Optional[Path], lis
 
     load = cfg.checkpoint.load
     model_only = cfg.checkpoint.load_model_only
+    from_init = False
     if load is None:
         path = None
     elif load == "auto":
         path = index.newest_complete(root, warn=say)
         if path is None and cfg.checkpoint.init_from is not None:
             path, model_only = index.resolve_checkpoint(cfg.checkpoint.init_from), True
+            from_init = True
             say(f"checkpoint.init_from: starting from the weights of {path}")
     else:
         path = index.resolve_checkpoint(load)
@@ -72,7 +75,7 @@ def _resume_plan(cfg: TrainConfig, root: Path, say) -> tuple[Optional[Path], lis
     newer = index.newer_than(root, start)
     if newer.newer and not cfg.checkpoint.overwrite:
         raise index.CheckpointError(newer.message(root, start))
-    return path, newer.newer, model_only
+    return path, newer.newer, model_only, from_init
 
 
 def train(cfg: TrainConfig, objective=None, callbacks: tuple[Callback, ...] = ()) -> TrainSummary:
@@ -134,12 +137,14 @@ def build_trainer(cfg: TrainConfig, preemption, objective=None,
     sources = resolve_sources(cfg, rank)
     model_config = build_model_config(cfg, padded_vocab_size(sources.tokenizer.vocab_size))
     root = Path(cfg.checkpoint_dir)
-    load_path, overwritten, model_only = on_rank0(lambda: _resume_plan(cfg, root, say))
+    load_path, overwritten, model_only, from_init = on_rank0(
+        lambda: _resume_plan(cfg, root, say))
     saved_meta = ckpt.read_meta(load_path) if load_path is not None else None
     if saved_meta is not None:
         ckpt.check_compatible(saved_meta, model_config,
                               sources.tokenizer.fingerprint, load_path, par.engine, model_only)
-    resume_at = resume_point(saved_meta, cfg, model_only, load_path)
+    keep_position = from_init and cfg.checkpoint.init_from_position
+    resume_at = resume_point(saved_meta, cfg, model_only, load_path, keep_position)
     task_callback = task_evaluation(cfg, sources.tokenizer, preemption)
     total_samples = samples_needed(cfg, resume_at)
     train_ds, valid_ds = build_datasets(cfg, sources, total_samples, resume_at.legacy_order)
@@ -163,7 +168,8 @@ def build_trainer(cfg: TrainConfig, preemption, objective=None,
     load_seconds = None
     if load_path is not None:
         t0 = time.perf_counter()
-        state = ckpt.load(engine, load_path, cfg.seed, model_only, log=say)
+        state = ckpt.load(engine, load_path, cfg.seed, model_only, log=say,
+                          keep_position=keep_position)
         load_seconds = time.perf_counter() - t0
 
     reporter = MetricsLogger(cfg.logging.dir, rank == 0, cfg.schedule.train_steps, state.step,
@@ -171,8 +177,11 @@ def build_trainer(cfg: TrainConfig, preemption, objective=None,
                              cfg.to_dict())
     manager.log = reporter.message
     if load_path is not None:
-        reporter.message(f"took the weights of {load_path} (fresh optimizer and schedule)"
-                         if model_only else f"resumed from {load_path} at step {state.step}")
+        reporter.message(
+            f"took the weights of {load_path} and its position, step {state.step} (fresh "
+            "optimizer)" if keep_position else
+            f"took the weights of {load_path} (fresh optimizer and schedule)" if model_only
+            else f"resumed from {load_path} at step {state.step}")
         reporter.event("resume", state.step, path=str(load_path), seconds=load_seconds,
                        model_only=model_only, config_changes=resume_at.changes)
         if resume_at.changes:

@@ -253,10 +253,12 @@ def verify_for_load(path: Path, meta: Optional[CheckpointMeta] = None) -> None:
         raise CheckpointError(found[0])
 
 
-def load(engine, path: Path, seed: int, model_only: bool = False, log=print) -> TrainingState:
+def load(engine, path: Path, seed: int, model_only: bool = False, log=print,
+         keep_position: bool = False) -> TrainingState:
     """Restore ``engine`` from the checkpoint at ``path`` (checked with ``check_compatible``
     first, its files with ``verify_for_load``); ``model_only`` (or a model-only checkpoint): the
-    weights alone, at step 0, also from another architecture (``MAPPABLE_DIFFERENCES``)."""
+    weights alone, also from another architecture (``MAPPABLE_DIFFERENCES``), at step 0 or,
+    with ``keep_position``, at the checkpoint's step and sample position (fresh optimizer)."""
     meta = read_meta(path)
     verify_for_load(path, meta)
     if model_only or meta.model_only:
@@ -266,6 +268,10 @@ def load(engine, path: Path, seed: int, model_only: bool = False, log=print) -> 
             log(f"took the {other['architecture'][0] if 'architecture' in other else 'saved'} "
                 f"weights of {path}; {len(fresh)} weights of this architecture start from their "
                 f"initialisation: {', '.join(_layer_patterns(fresh))}")
+        if keep_position and not meta.model_only:
+            if meta.scheduler:
+                engine.scheduler.load_state_dict(meta.scheduler)  # the config's LR, at this step
+            return TrainingState(meta.step, meta.consumed_samples, meta.skipped_steps)
         return TrainingState()
     try:
         engine.load(path, meta, seed)

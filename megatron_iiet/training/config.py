@@ -140,6 +140,10 @@ class CheckpointSection:
     """Weights to start from when this run has no checkpoint of its own yet (a fresh start,
     e.g. the E-IIET student from its IIET): once the run has saved, `load: auto` resumes it
     instead. Fresh optimizer and schedule, like load_model_only."""
+    init_from_position: bool = False
+    """Continue init_from's step, LR schedule and sample stream (two-stage training: the second
+    stage, e.g. IIET from a vanilla checkpoint, takes up where the first stopped); the optimizer
+    still starts fresh."""
 
 
 @dataclass
@@ -493,6 +497,9 @@ def _check_distill(cfg: TrainConfig) -> None:
     if d.end_step is not None and d.end_step <= d.start_step:
         raise BadInput(f"distill.end_step: {d.end_step} must be after start_step "
                        f"{d.start_step}")
+    if cfg.checkpoint.init_from_position and cfg.checkpoint.init_from is None:
+        raise BadInput("checkpoint.init_from_position: needs checkpoint.init_from (whose step "
+                       "and data position the run continues)")
     if cfg.checkpoint.init_from is not None and cfg.checkpoint.load not in ("auto", None):
         raise BadInput("checkpoint.init_from: only with checkpoint.load auto (a run resumes "
                        "its own checkpoints, and starts from init_from before it has any)")

@@ -43,10 +43,11 @@ class ResumePoint:
 
 
 def resume_point(meta: Optional[CheckpointMeta], cfg: TrainConfig, model_only: bool,
-                 path: object = "the checkpoint") -> ResumePoint:
+                 path: object = "the checkpoint", keep_position: bool = False) -> ResumePoint:
     """Where the stream continues, and the config changes the resume applies; an operator error
-    for a change that cannot be applied."""
-    if meta is None or model_only or meta.model_only:
+    for a change that cannot be applied. ``keep_position``: a weights-only start that still
+    continues the checkpoint's step and stream (checkpoint.init_from_position)."""
+    if meta is None or meta.model_only or (model_only and not keep_position):
         return ResumePoint()
     saved = meta.config or {}
 

@@ -81,3 +81,39 @@ def test_another_shape_or_a_resume_across_architectures_is_still_refused(stages,
         "model.architecture": "iiet", "checkpoint.load": str(vanilla_run / "checkpoints")}))
     assert resume.returncode == 2 and "checkpoint.init_from" in resume.stderr, \
         resume.stderr[-3000:]
+
+
+def test_a_second_stage_continues_the_first_stages_step_schedule_and_samples(tiny_data,
+                                                                             tmp_path):
+    """checkpoint.init_from_position: IIET takes up a vanilla run at its step 3 of 6; the LR of
+    every later step is the one the vanilla run had there, and the samples go on from step 3."""
+    from megatron_iiet.training.checkpoint_index import read_meta
+    from tests.training.conftest import records
+
+    first = tmp_path / "vanilla"
+    common = {"schedule.train_steps": 6, "checkpoint.save_interval": 3}
+    check_ok(launch(base_overrides(tiny_data, first, **{"model.architecture": "vanilla",
+                                                        **common})))
+    second = tmp_path / "iiet"
+    proc = launch(base_overrides(tiny_data, second, **{
+        "model.architecture": "iiet", **common, "checkpoint.init_from_position": True,
+        "checkpoint.init_from": str(first / "checkpoints" / "iter_0000003")}))
+    check_ok(proc)
+    assert "and its position, step 3 (fresh optimizer)" in proc.stdout
+    vanilla_lr = {r["step"]: r["lr"] for r in records(first, "train")}
+    iiet_lr = {r["step"]: r["lr"] for r in records(second, "train")}
+    assert sorted(iiet_lr) == [4, 5, 6]
+    assert all(iiet_lr[s] == pytest.approx(vanilla_lr[s], rel=1e-12) for s in iiet_lr)
+    [resume] = records(second, "resume")
+    assert resume["step"] == 3 and resume["model_only"]
+    [end] = records(second, "end")
+    assert end["step"] == 6 and end["finished"]
+    consumed = [read_meta(run / "checkpoints" / "iter_0000006").consumed_samples
+                for run in (first, second)]
+    assert consumed[0] == consumed[1] == 6 * 4  # not 3 x 4: the stream went on from step 3
+
+
+def test_init_from_position_without_init_from_is_refused(tiny_data, tmp_path):
+    proc = launch(base_overrides(tiny_data, tmp_path / "run",
+                                 **{"checkpoint.init_from_position": True}))
+    assert proc.returncode == 2 and "needs checkpoint.init_from" in proc.stderr, proc.stderr
