@@ -214,9 +214,16 @@ def _comparable(value):
 
 # ---------------------------------------------------------------------------- no data needed
 
-def test_every_local_task_has_a_yaml_and_a_loader():
-    names = {load_yaml(p, resolve_func=False)["task"] for p in local.TASKS_DIR.glob("*.yaml")}
-    assert names == set(local.LOCAL_TASKS) == set(local.TASK_FILES) == set(loaders.DOCS)
+def test_every_local_task_is_one_record_and_its_yaml():
+    yamls = {p.stem: load_yaml(p, resolve_func=False) for p in local.TASKS_DIR.glob("*.yaml")}
+    assert set(yamls) == set(local.TASKS)
+    for name, task in local.TASKS.items():
+        assert yamls[name]["task"] == name
+        # the YAML names the loader generated from the record; its converter exists
+        assert str(yamls[name]["custom_dataset"]).endswith(
+            f"megatron_iiet.eval.tasks.loaders.{name}"), name
+        assert callable(getattr(loaders, name)) and callable(getattr(loaders, task.converter))
+        assert loaders.DOCS[name] == (task.split, getattr(loaders, task.converter))
     assert local.PAPER_SUITE == ("wikitext", "lambada_openai", "piqa", "hellaswag", "winogrande",
                                  "arc_easy", "arc_challenge")
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Optional, Union
 
@@ -35,30 +36,49 @@ TASKS_DIR = Path(__file__).resolve().parent
 DATA_DIR_KEY = "iiet_data_dir"
 ENV_VAR = "IIET_SHARED_DATA"  # the one variable for the shared data folder (tests, scripts too)
 
-# The paper's table, in its column order.
-PAPER_SUITE = ("wikitext", "lambada_openai", "piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge")
-LOCAL_TASKS = PAPER_SUITE + ("boolq", "openbookqa", "sciq")
+@dataclass(frozen=True)
+class LocalTask:
+    """One local task: everything about it besides its lm-eval YAML (``<name>.yaml`` here, with
+    ``custom_dataset: !function megatron_iiet.eval.tasks.loaders.<name>``, generated there)."""
 
-# Relative to the data directory; every file a task's loader opens.
-TASK_FILES: dict[str, tuple[str, ...]] = {
-    "wikitext": ("wikitext-2-raw/wiki.test.raw",),
-    "lambada_openai": ("lambada/lambada_test.jsonl",),
-    "piqa": ("piqa/valid.jsonl", "piqa/valid-labels.lst"),
-    "hellaswag": ("hellaswag/hellaswag_val_full.txt.bz2",),
-    "winogrande": ("winogrande/dev.jsonl",),
-    "arc_easy": ("arc/ARC-Easy/test.jsonl",),
-    "arc_challenge": ("arc/ARC-Challenge/test.jsonl",),
-    "boolq": ("boolq/val.jsonl",),
-    "openbookqa": ("openbookqa/test.tsv",),
-    "sciq": ("sciq/test.json",),
-}
+    name: str
+    files: tuple[str, ...]
+    """Relative to the data directory; every file the converter opens."""
+    split: str
+    """The split lm-eval evaluates (the one the converted documents become)."""
+    expected_count: int
+    """That split's size in lm-eval's HF dataset: a local file that yields another count is not
+    the same benchmark, and the loader says so."""
+    converter: str
+    """The function of loaders.py that turns the files into lm-eval's documents."""
+    paper: bool = False
+    """A column of the paper's zero-shot table (in this order)."""
 
-# The size of the split lm-eval evaluates (its HF dataset); a local file that yields another
-# count is not the same benchmark, and the loaders say so.
-EXPECTED_COUNTS: dict[str, int] = {
-    "wikitext": 62, "lambada_openai": 5153, "piqa": 1838, "hellaswag": 10042, "winogrande": 1267,
-    "arc_easy": 2376, "arc_challenge": 1172, "boolq": 3270, "openbookqa": 500, "sciq": 1000,
-}
+
+TASKS: dict[str, LocalTask] = {t.name: t for t in (
+    LocalTask("wikitext", ("wikitext-2-raw/wiki.test.raw",), "test", 62, "wikitext_docs",
+              paper=True),
+    LocalTask("lambada_openai", ("lambada/lambada_test.jsonl",), "test", 5153,
+              "lambada_openai_docs", paper=True),
+    LocalTask("piqa", ("piqa/valid.jsonl", "piqa/valid-labels.lst"), "validation", 1838,
+              "piqa_docs", paper=True),
+    LocalTask("hellaswag", ("hellaswag/hellaswag_val_full.txt.bz2",), "validation", 10042,
+              "hellaswag_docs", paper=True),
+    LocalTask("winogrande", ("winogrande/dev.jsonl",), "validation", 1267, "winogrande_docs",
+              paper=True),
+    LocalTask("arc_easy", ("arc/ARC-Easy/test.jsonl",), "test", 2376, "arc_easy_docs",
+              paper=True),
+    LocalTask("arc_challenge", ("arc/ARC-Challenge/test.jsonl",), "test", 1172,
+              "arc_challenge_docs", paper=True),
+    LocalTask("boolq", ("boolq/val.jsonl",), "validation", 3270, "boolq_docs"),
+    LocalTask("openbookqa", ("openbookqa/test.tsv",), "test", 500, "openbookqa_docs"),
+    LocalTask("sciq", ("sciq/test.json",), "test", 1000, "sciq_docs"),
+)}
+
+# Views of TASKS, for callers that want one property of every task.
+PAPER_SUITE = tuple(name for name, task in TASKS.items() if task.paper)
+LOCAL_TASKS = tuple(TASKS)
+TASK_FILES: dict[str, tuple[str, ...]] = {name: task.files for name, task in TASKS.items()}
 
 _OVERRIDE_MSG = "Task '%s' from %s overrides existing task from %s"
 

@@ -23,8 +23,8 @@ from lm_eval.api.samplers import ContextSampler
 from megatron_iiet.eval.tasks import (
     DATA_DIR_KEY,
     ENV_VAR,
-    EXPECTED_COUNTS,
     TASK_FILES,
+    TASKS,
     LocalDataError,
     _data_dir_and_origin,
     _no_data_dir_message,
@@ -306,18 +306,9 @@ class ZeroShotOnly(ContextSampler):
 
 # ---------------------------------------------------------------------------- custom_dataset
 
+# (split, converter) of every task, from its LocalTask record.
 DOCS: dict[str, tuple[str, Callable[[Path], list[dict]]]] = {
-    "wikitext": ("test", wikitext_docs),
-    "lambada_openai": ("test", lambada_openai_docs),
-    "piqa": ("validation", piqa_docs),
-    "hellaswag": ("validation", hellaswag_docs),
-    "winogrande": ("validation", winogrande_docs),
-    "arc_easy": ("test", arc_easy_docs),
-    "arc_challenge": ("test", arc_challenge_docs),
-    "boolq": ("validation", boolq_docs),
-    "openbookqa": ("test", openbookqa_docs),
-    "sciq": ("test", sciq_docs),
-}
+    name: (task.split, globals()[task.converter]) for name, task in TASKS.items()}
 
 
 def load_docs(task: str, data_dir: Optional[Path] = None,
@@ -333,9 +324,9 @@ def load_docs(task: str, data_dir: Optional[Path] = None,
         raise LocalDataError(f"{task} needs {missing[0]}, which does not exist (evaluation data directory "
                              f"{data_dir}, {origin}; set another with --data-dir, metadata {DATA_DIR_KEY} or ${ENV_VAR})")
     docs = DOCS[task][1](data_dir)
-    if len(docs) != EXPECTED_COUNTS[task]:
+    if len(docs) != TASKS[task].expected_count:
         log.warning("%s: %d documents in %s, lm-eval's split has %d; the scores are not comparable",
-                    task, len(docs), data_dir, EXPECTED_COUNTS[task])
+                    task, len(docs), data_dir, TASKS[task].expected_count)
     return docs
 
 
@@ -347,41 +338,15 @@ def _dataset_dict(task: str, metadata: dict[str, Any]):
     return datasets.DatasetDict({split: datasets.Dataset.from_list(load_docs(task, directory, origin))})
 
 
-def wikitext(**metadata):
-    return _dataset_dict("wikitext", metadata)
+def _custom_dataset(task: str) -> Callable[..., Any]:
+    """The ``custom_dataset`` function a task's YAML names (``loaders.<task>``)."""
+    def load(**metadata):
+        return _dataset_dict(task, metadata)
+
+    load.__name__ = load.__qualname__ = task
+    load.__doc__ = f"lm-eval's {task} documents from the local files."
+    return load
 
 
-def lambada_openai(**metadata):
-    return _dataset_dict("lambada_openai", metadata)
-
-
-def piqa(**metadata):
-    return _dataset_dict("piqa", metadata)
-
-
-def hellaswag(**metadata):
-    return _dataset_dict("hellaswag", metadata)
-
-
-def winogrande(**metadata):
-    return _dataset_dict("winogrande", metadata)
-
-
-def arc_easy(**metadata):
-    return _dataset_dict("arc_easy", metadata)
-
-
-def arc_challenge(**metadata):
-    return _dataset_dict("arc_challenge", metadata)
-
-
-def boolq(**metadata):
-    return _dataset_dict("boolq", metadata)
-
-
-def openbookqa(**metadata):
-    return _dataset_dict("openbookqa", metadata)
-
-
-def sciq(**metadata):
-    return _dataset_dict("sciq", metadata)
+for _name in TASKS:
+    globals()[_name] = _custom_dataset(_name)
