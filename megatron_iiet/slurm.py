@@ -34,7 +34,9 @@ def health(timeout_s: float) -> dict:
     local = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = int(os.environ.get("MASTER_PORT", "29500")) + 1
-    gpu = torch.cuda.is_available()
+    from megatron_iiet.platform import cuda_available
+
+    gpu = cuda_available()
     backend = "nccl" if gpu else "gloo"
     if gpu:
         torch.cuda.set_device(local % torch.cuda.device_count())

@@ -86,13 +86,15 @@ def native_lm(args):
 def hf_lm(args):
     from lm_eval.models.huggingface import HFLM
 
+    from megatron_iiet.platform import cuda_available
+
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise OperatorError("--hf runs in one process (launch it without torchrun)")
     folder = Path(args.hf)
     check_hf_folder(folder, args.trust_remote_code)
     kwargs = {"max_length": args.max_length} if args.max_length else {}
     return HFLM(pretrained=str(folder), trust_remote_code=args.trust_remote_code,
-                batch_size=args.batch_size, device="cuda" if _cuda() else "cpu",
+                batch_size=args.batch_size, device="cuda" if cuda_available() else "cpu",
                 dtype=args.dtype, **kwargs)
 
 
@@ -122,12 +124,6 @@ def _default_label(path: Path) -> str:
     """The run's name for a checkpoint root (RUN/checkpoints), else the folder's name."""
     resolved = path.resolve()
     return resolved.parent.name if resolved.name == "checkpoints" else resolved.name
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def refuse_existing_results(output: Path, overwrite: bool) -> None:
