@@ -272,8 +272,12 @@ def iterating_names() -> tuple[str, ...]:
 
 
 def get_architecture(name: str, formulation: str = "history") -> Architecture:
-    """The registered architecture `name`, in `formulation` when it has several (ignored else)."""
+    """The registered architecture `name`, in `formulation` when it has several (any known
+    formulation is accepted, and ignored, for one that has a single form)."""
     if name in REGISTRY:
+        if formulation not in formulation_names():
+            raise ValueError(f"formulation: unknown {formulation!r}; choose one of "
+                             f"{', '.join(formulation_names())}")
         return REGISTRY[name]
     forms = [a.formulation for a in REGISTRY.values() if a.name == name]
     if not forms:

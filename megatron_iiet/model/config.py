@@ -117,17 +117,7 @@ class IIETTransformerConfig(TransformerConfig):
 
     # ---- validation ----------------------------------------------------------------------
     def _validate_iiet_fields(self) -> None:
-        if self.architecture not in architecture_names():
-            raise ValueError(
-                f"architecture: unknown {self.architecture!r}; choose one of "
-                f"{', '.join(architecture_names())}"
-            )
-        if self.formulation not in formulation_names():
-            raise ValueError(
-                f"formulation: unknown {self.formulation!r}; choose one of "
-                f"{', '.join(formulation_names())}"
-            )
-        architecture = get_architecture(self.architecture, self.formulation)
+        architecture = get_architecture(self.architecture, self.formulation)  # checks the names
         if self.max_iterations < 0:
             raise ValueError(f"max_iterations: must be >= 0, got {self.max_iterations}")
         if self.iterations is not None:
