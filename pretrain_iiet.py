@@ -25,8 +25,10 @@ def config_fields() -> str:
     from megatron_iiet.training.config import TrainConfig
 
     def type_name(t) -> str:
-        return str(t).replace("typing.", "").replace("Optional[", "").rstrip("]") \
-            if not isinstance(t, type) else t.__name__
+        if isinstance(t, type):
+            return t.__name__
+        name = str(t).replace("typing.", "")
+        return name[len("Optional["):-1] if name.startswith("Optional[") else name
 
     lines = ["config fields (YAML sections, or --set SECTION.FIELD=VALUE; docs/training.md "
              "explains each):"]

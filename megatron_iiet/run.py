@@ -106,6 +106,30 @@ def train(cfg: TrainConfig, objective=None, callbacks: tuple[Callback, ...] = ()
                 lock.release()
 
 
+def named_callbacks(specs: dict[str, dict]) -> list[Callback]:
+    """The config's ``callbacks`` section built: each entry's class imported and called with
+    the entry's other keys. Anything that does not resolve is the operator's, in one line."""
+    import importlib
+
+    built = []
+    for name, spec in specs.items():
+        kwargs = dict(spec)
+        target = kwargs.pop("class")
+        module_name, _, attr = target.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise BadInput(f"callbacks.{name}.class: cannot import {target} ({err})") from None
+        if not (isinstance(cls, type) and issubclass(cls, Callback)):
+            raise BadInput(f"callbacks.{name}.class: {target} is not a "
+                           "megatron_iiet.training.callbacks.Callback subclass")
+        try:
+            built.append(cls(**kwargs))
+        except TypeError as err:
+            raise BadInput(f"callbacks.{name}: {target} does not take {kwargs} ({err})") from None
+    return built
+
+
 def build_trainer(cfg: TrainConfig, preemption, objective=None,
                   extra_callbacks: Optional[list[Callback]] = None) -> Trainer:
     from megatron.core import parallel_state
@@ -146,6 +170,7 @@ def build_trainer(cfg: TrainConfig, preemption, objective=None,
     keep_position = from_init and cfg.checkpoint.init_from_position
     resume_at = resume_point(saved_meta, cfg, model_only, load_path, keep_position)
     task_callback = task_evaluation(cfg, sources.tokenizer, preemption)
+    configured = named_callbacks(cfg.callbacks)
     total_samples = samples_needed(cfg, resume_at)
     train_ds, valid_ds = build_datasets(cfg, sources, total_samples, resume_at.legacy_order)
     manager = ckpt.CheckpointManager(str(root), cfg.checkpoint.keep_last,
@@ -232,7 +257,8 @@ def build_trainer(cfg: TrainConfig, preemption, objective=None,
                   CheckpointCallback(manager, cfg.checkpoint.save_interval,
                                      state.step if load_path is not None else None),
                   *([task_callback] if task_callback else []),
-                  *([distill_callback] if distill_callback else []), *(extra_callbacks or ())]
+                  *([distill_callback] if distill_callback else []), *configured,
+                  *(extra_callbacks or ())]
     meta_extra = {"config": cfg.to_dict(), "tokenizer_fingerprint": sources.tokenizer.fingerprint,
                   "tokenizer": str(Path(sources.tokenizer.path).resolve()),
                   "architecture": ckpt.architecture_signature(model_config),

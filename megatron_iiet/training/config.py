@@ -230,6 +230,10 @@ class TrainConfig:
     eval: EvalSection = field(default_factory=EvalSection)
     distill: DistillSection = field(default_factory=DistillSection)
     seed: int = 1234
+    callbacks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Callbacks named in the config, run after the built-in ones: ``{name: {class:
+    pkg.module.Class, <its keyword arguments>}}`` (a training.callbacks.Callback subclass,
+    importable from the run's Python path), as OLMo-core's config names them."""
 
     @property
     def checkpoint_dir(self) -> str:
@@ -510,6 +514,11 @@ def validate(cfg: TrainConfig, world_size: Optional[int] = None, here: bool = Tr
     the layout checks."""
     _check_ranges(cfg)
     _check_split(cfg.data.split)
+    for name, spec in cfg.callbacks.items():
+        target = spec.get("class")
+        if not isinstance(target, str) or "." not in target:
+            raise BadInput(f"callbacks.{name}.class: a dotted path to a Callback class "
+                           f"(pkg.module.Class), got {target!r}")
     if isinstance(cfg.data.verify_checksums, str) and cfg.data.verify_checksums != "full":
         raise BadInput(f"data.verify_checksums: unknown {cfg.data.verify_checksums!r} "
                        "(true | false | full)")
