@@ -147,12 +147,18 @@ def load_full(model, full_tensors: dict[str, torch.Tensor], strict: bool = True)
         p.copy_(shard(model, name, p, full_tensors[fname]).to(p.dtype))
 
 
+def grad_of(p: torch.Tensor):
+    """A parameter's gradient: megatron's DDP accumulates it in ``main_grad`` (fp32), plain
+    autograd in ``grad``; None before any backward."""
+    g = getattr(p, "main_grad", None)
+    return p.grad if g is None else g
+
+
 def grads_of(model) -> dict[str, torch.Tensor]:
+    """Every local parameter's gradient (zeros for one without), by local name."""
     out = {}
     for name, p in model.named_parameters():
-        g = getattr(p, "main_grad", None)
-        if g is None:
-            g = p.grad
+        g = grad_of(p)
         out[name] = torch.zeros_like(p) if g is None else g
     return out
 

@@ -35,6 +35,11 @@ class Callback:
     def on_train_begin(self, trainer: "Trainer") -> None:
         pass
 
+    def on_before_optimizer_step(self, trainer: "Trainer") -> None:
+        """The step's gradients are summed over micro-batches and reduced over ranks, not yet
+        clipped or applied: ``trainer.engine.gradients()`` reads them (either engine, any
+        precision). Not called for a step skipped as non-finite."""
+
     def on_step_end(self, trainer: "Trainer", event: StepEnd) -> None:
         pass
 

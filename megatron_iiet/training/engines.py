@@ -23,7 +23,7 @@ import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -261,6 +261,13 @@ class Engine:
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)
 
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters' gradients by local name, as the optimizer is about to see
+        them (reduced, not clipped): valid in ``Callback.on_before_optimizer_step``."""
+        from megatron_iiet.model.sharding import grads_of
+
+        return grads_of(self.module)
+
     def _means(self, metrics: list[dict]) -> tuple[float, dict]:
         """(loss, the objective's other terms): each the mean over micro-batches and ranks."""
         means = _global_means(metrics, self.objective.metric_names)
@@ -304,13 +311,15 @@ class MegatronEngine(Engine):
         model.config.no_sync_func = self.model.no_sync
         model.config.finalize_model_grads_func = finalize
 
-    def train_step(self, micro_batches: list[dict]) -> StepResult:
+    def train_step(self, micro_batches: list[dict],
+                   before_optimizer_step: Callable[[], None] = lambda: None) -> StepResult:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         loss, terms = self._means(forward_backward(self.model, micro_batches,
                                                    objective=self.objective))
         if not math.isfinite(loss):
             return StepResult(loss, None, True, current_lr(self.optimizer), terms)
+        before_optimizer_step()  # reduced by the schedule's finalize_model_grads; clipped in step
         lr = _advance_schedule(self.scheduler, self.optimizer)
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:  # fp16 overflow: no update, so the schedule does not advance either
@@ -414,11 +423,23 @@ class DeepSpeedEngine(Engine):
             mpu=_MegatronMPU(), dist_init_required=False)
         self.scheduler = build_scheduler(cfg, self.optimizer)
 
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """ZeRO keeps each rank's share of the reduced gradients: DeepSpeed's own accessor
+        gathers every parameter's full gradient (a collective: every rank calls it)."""
+        from deepspeed.utils import safe_get_full_grad
+
+        out = {}
+        for name, p in self.module.named_parameters():
+            g = safe_get_full_grad(p)
+            out[name] = torch.zeros_like(p) if g is None else g
+        return out
+
     def _loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
         loss, metrics = self.objective.loss(batch, self.objective.forward(self.model, batch))
         return loss, {k: float(v) for k, v in metrics.items()}
 
-    def train_step(self, micro_batches: list[dict]) -> StepResult:
+    def train_step(self, micro_batches: list[dict],
+                   before_optimizer_step: Callable[[], None] = lambda: None) -> StepResult:
         metrics = []
         self.objective.prepare(micro_batches, training=True)
         for batch in micro_batches:
@@ -435,6 +456,7 @@ class DeepSpeedEngine(Engine):
             self.model.zero_grad()
             self.model.micro_steps += 1
             return StepResult(mean, None, True, current_lr(self.optimizer), terms)
+        before_optimizer_step()  # ZeRO reduced the gradients in the boundary's backward
         lr = _advance_schedule(self.scheduler, self.optimizer)
         self.model.step()
         norm = self.model.get_global_grad_norm()

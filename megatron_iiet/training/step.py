@@ -22,13 +22,8 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_attr_wrapped_model
 
-from megatron_iiet.model.sharding import pipeline_shared_params
+from megatron_iiet.model.sharding import grad_of, pipeline_shared_params
 from megatron_iiet.platform import compute_device
-
-
-def _grad_buffer(p: torch.Tensor):
-    g = getattr(p, "main_grad", None)
-    return p.grad if g is None else g
 
 
 def allreduce_cross_stage_grads(models, embeddings: bool = True) -> None:
@@ -48,13 +43,13 @@ def allreduce_cross_stage_grads(models, embeddings: bool = True) -> None:
                     and (unwrapped.pre_process or unwrapped.post_process)):
                 continue
             weight = unwrapped.shared_embedding_or_output_weight()
-            grad = _grad_buffer(weight)
+            grad = grad_of(weight)
             if grad is None:
                 grad = weight.grad = torch.zeros_like(weight)
             dist.all_reduce(grad, group=parallel_state.get_embedding_group())
     group = parallel_state.get_pipeline_model_parallel_group()
     for p in pipeline_shared_params(models):
-        grad = _grad_buffer(p)
+        grad = grad_of(p)
         if grad is None:
             grad = p.grad = torch.zeros_like(p)
         dist.all_reduce(grad, group=group)

@@ -75,6 +75,10 @@ class Trainer:
             cb.on_save(self, path, seconds)
         return path
 
+    def _before_optimizer_step(self) -> None:
+        for cb in self.callbacks:
+            cb.on_before_optimizer_step(self)
+
     # ---- the loop ---------------------------------------------------------------------------
     def fit(self) -> TrainSummary:
         try:
@@ -84,7 +88,7 @@ class Trainer:
             while self.state.step < self.train_steps and self.stop_reason is None:
                 micro_batches = next(self.batches)
                 t0 = time.perf_counter()
-                result = self.engine.train_step(micro_batches)
+                result = self.engine.train_step(micro_batches, self._before_optimizer_step)
                 event = StepEnd(self.state.step + 1, result, time.perf_counter() - t0)
                 self.state.step += 1
                 self.state.consumed_samples += self.global_batch_size

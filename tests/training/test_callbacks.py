@@ -43,12 +43,13 @@ class LinearEngine:
         x = batch["x"]
         return ((self.module(x) - x.sum(-1, keepdim=True)) ** 2).mean()
 
-    def train_step(self, micro_batches):
+    def train_step(self, micro_batches, before_optimizer_step=lambda: None):
         self.optimizer.zero_grad()
         loss = sum(self._loss(b) for b in micro_batches) / len(micro_batches)
         if not math.isfinite(loss.item()):
             return StepResult(loss.item(), None, True, 0.1)
         loss.backward()
+        before_optimizer_step()
         self.optimizer.step()
         return StepResult(loss.item(), 1.0, False, 0.1)
 

@@ -31,3 +31,19 @@ def test_a_callback_that_does_not_resolve_is_one_line(tiny_data, tmp_path, overr
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and named in lines[0], proc.stderr[-2000:]
     assert not list((tmp_path / "run").glob("checkpoints/iter_*"))  # nothing was trained
+
+
+@pytest.mark.parametrize("engine", ["megatron", "deepspeed"])
+def test_a_callback_sees_the_reduced_unclipped_gradients_before_the_step(tiny_data, tmp_path,
+                                                                         engine):
+    """on_before_optimizer_step + Engine.gradients: with clipping at 0.01 (every step clipped)
+    the norm a callback computes is the step's own pre-clipping norm, on both engines."""
+    run = tmp_path / "run"
+    check_ok(launch(base_overrides(tiny_data, run, **{
+        "parallel.engine": engine, "optimizer.clip_grad": 0.01,
+        "callbacks.gn.class": "tests.training.user_callbacks.GradNormSeen"})))
+    seen = {r["step"]: r["norm"] for r in records(run, "grad_norm_seen")}
+    reported = {r["step"]: r["grad_norm"] for r in records(run, "train")}
+    assert sorted(seen) == list(range(1, 7))
+    for step, norm in seen.items():
+        assert norm > 0.01 and norm == pytest.approx(reported[step], rel=1e-4), (step, norm)

@@ -11,3 +11,15 @@ class TokensSeen(Callback):
     def on_step_end(self, trainer, event):
         trainer.reporter.event("tokens_seen", event.step,
                                tokens=trainer.state.consumed_samples * self.tokens_per_sample)
+
+
+class GradNormSeen(Callback):
+    """The gradient norm a callback sees before the optimizer step (to compare with the
+    pre-clipping norm the step reports)."""
+
+    def on_before_optimizer_step(self, trainer):
+        import torch
+
+        grads = trainer.engine.gradients()
+        norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())).item()
+        trainer.reporter.event("grad_norm_seen", trainer.state.step + 1, norm=norm)
