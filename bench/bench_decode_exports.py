@@ -22,15 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def passes(config) -> int:
-    arch = config.architecture
-    layers = config.num_hidden_layers
-    if arch == "vanilla":
-        return layers
-    if arch == "iiet":
-        its = config.iterations or [config.max_iterations] * layers
-        return layers + sum(its)
-    return layers * {"pcformer_rk2": 3, "pcformer_rk4": 5, "ode_rk2": 2, "ode_rk2_gated": 2,
-                     "ode_rk4": 4}.get(arch, 1)
+    """Block passes per token, from the exported model's own scheme table (the one the shipped
+    forward runs), so a new scheme needs no entry here."""
+    from megatron_iiet.hf.configuration_iiet import SCHEMES, scheme_key
+
+    scheme = SCHEMES[scheme_key(config.architecture, getattr(config, "formulation", "history"))]
+    its = config.iterations or [config.max_iterations] * config.num_hidden_layers
+    return sum(scheme.passes(i) for i in its)
 
 
 def main() -> int:
