@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_iiet.model.architectures import (architecture_names, formulation_names,
-                                               get_architecture, iterating_names)
+from megatron_iiet.model.architectures import get_architecture, iterating_names
 from megatron_iiet.model.ode_step import KEEP_TAIL_MODE
 from megatron_iiet.platform import gpu_only_refusal, model_config_defaults
 

@@ -154,11 +154,12 @@ def grad_of(p: torch.Tensor):
     return p.grad if g is None else g
 
 
-def grads_of(model) -> dict[str, torch.Tensor]:
-    """Every local parameter's gradient (zeros for one without), by local name."""
+def grads_of(model, read=grad_of) -> dict[str, torch.Tensor]:
+    """Every local parameter's gradient as ``read`` finds it (zeros for one without), by local
+    name."""
     out = {}
     for name, p in model.named_parameters():
-        g = grad_of(p)
+        g = read(p)
         out[name] = torch.zeros_like(p) if g is None else g
     return out
 

@@ -428,11 +428,9 @@ class DeepSpeedEngine(Engine):
         gathers every parameter's full gradient (a collective: every rank calls it)."""
         from deepspeed.utils import safe_get_full_grad
 
-        out = {}
-        for name, p in self.module.named_parameters():
-            g = safe_get_full_grad(p)
-            out[name] = torch.zeros_like(p) if g is None else g
-        return out
+        from megatron_iiet.model.sharding import grads_of
+
+        return grads_of(self.module, read=safe_get_full_grad)
 
     def _loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
         loss, metrics = self.objective.loss(batch, self.objective.forward(self.model, batch))
