@@ -147,6 +147,13 @@ def teardown() -> None:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    # megatron-core 0.16.1's destroy_model_parallel leaves a few groups in its globals (the
+    # intra-partial data-parallel and hierarchical context-parallel ones): drop them too, so that
+    # the destroyed groups are freed here and not later, at an unexpected moment.
+    for name, value in vars(parallel_state).items():
+        members = value if isinstance(value, (list, tuple)) else [value]
+        if name.isupper() and members and all(isinstance(g, dist.ProcessGroup) for g in members):
+            setattr(parallel_state, name, None)
     if dist.is_initialized():
         dist.destroy_process_group()
 

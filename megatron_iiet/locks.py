@@ -26,6 +26,8 @@ from megatron_iiet.storage import refusing_directory, storage_error
 LOCK_SUFFIX = ".lock"
 DIRECTORY_LOCK = ".run.lock"
 _held: dict[Path, int] = {}  # lock files this process holds -> how many times
+# A forked child holds none of them: each names its holder's pid, which is the parent's.
+os.register_at_fork(after_in_child=_held.clear)
 
 
 class LockHeld(OperatorError, ValueError):

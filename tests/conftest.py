@@ -6,7 +6,11 @@ import torch
 
 # megatron-core warns at import about every optional CUDA extension it does not find.
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers share the two cores: one thread each
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+else:
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 
 @pytest.fixture
@@ -35,6 +39,26 @@ SLOW_MODULES = {
     "tests/model/test_compile.py", "tests/model/test_iteration_checkpointing.py",
     "tests/eval/test_evaluate_tool.py", "tests/hf/test_hf_release_import.py",
 }
+
+
+# Directories whose tests share an expensive session fixture (checkpoints of every variant, a
+# trained run and its export, a SLURM cluster). Under pytest-xdist (scripts/test.sh runs 2
+# workers) each is one unit of work, run by one worker, so that its fixtures are built once; any
+# other module is a unit of its own.
+SHARED_FIXTURE_DIRS = ("tests/convert", "tests/eval", "tests/slurm", "tests/iiad")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's per-scope scheduling with the units above. (Its `loadgroup` mode cannot be used:
+    pytest-xdist 3.8 marks a group in `item._nodeid`, which pytest 9 no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return next((d for d in SHARED_FIXTURE_DIRS if module.startswith(d + "/")), module)
+
+    return SharedFixtureScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):

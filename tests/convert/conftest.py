@@ -5,12 +5,12 @@ megatron's ~8 s import."""
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.forked import run_script
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,10 +70,10 @@ def converted(checkpoints, tmp_path_factory):
 
 
 def run_cli(*args, timeout=300, env=None, cwd=REPO):
+    """tools/convert_checkpoint.py with `args`, as a process (forked from this one: tests/forked.py)."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
-    return subprocess.run([sys.executable, str(REPO / "tools" / "convert_checkpoint.py"),
-                           *map(str, args)], cwd=cwd, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
+    return run_script(REPO / "tools" / "convert_checkpoint.py", args, cwd=cwd, env=full_env,
+                      timeout=timeout)
 
 
 def assert_refused(proc, *named) -> str:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.forked import run_script
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -51,8 +53,10 @@ def tool_command(name: str, *args) -> list[str]:
 
 
 def run_tool(name: str, *args, timeout: float = 300) -> subprocess.CompletedProcess:
-    """One of tools/*.py in a fresh process (what an operator runs)."""
-    return subprocess.run(tool_command(name, *args), capture_output=True, text=True, timeout=timeout)
+    """One of tools/*.py as a process of its own (what an operator runs), forked from this one
+    (tests/forked.py)."""
+    return run_script(REPO / "tools" / name, args, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                      timeout=timeout)
 
 
 def one_line_error(result: subprocess.CompletedProcess) -> str:

@@ -345,3 +345,23 @@ def test_workers_exit_when_main_process_is_killed(tmp_path, small_tokenizer, sha
                 process.kill()
             except psutil.NoSuchProcess:
                 pass
+
+
+def test_a_forked_child_does_not_hold_its_parents_lock(tmp_path):
+    """A lock is its holder's (the file names the pid): a child forked while it is held must be
+    refused like any other process, not take it again as its own."""
+    from megatron_iiet.locks import LockHeld, exclusive_output
+
+    target = tmp_path / "out"
+    with exclusive_output(target, "the parent's job", "wait"):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                with exclusive_output(target, "the parent's job", "wait"):
+                    os._exit(1)  # taken: wrong
+            except LockHeld as refusal:
+                os._exit(0 if f"pid {os.getppid()}" in str(refusal) else 3)
+            os._exit(4)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert not lock_path(target).exists()

@@ -3,11 +3,11 @@ in-loop task evaluation when the task data is present), and its HF export."""
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.forked import run_script
 
 from tests.training.conftest import base_overrides, check_ok, launch
 
@@ -63,10 +63,8 @@ def trained(tmp_path_factory):
 @pytest.fixture(scope="session")
 def exported(trained, tmp_path_factory):
     out = tmp_path_factory.mktemp("eval_export") / "hf"
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "convert_checkpoint.py"),
-                           "megatron-to-hf", str(trained[1]), str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run_script(REPO / "tools" / "convert_checkpoint.py", ["megatron-to-hf", trained[1], out],
+                      cwd=REPO, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 

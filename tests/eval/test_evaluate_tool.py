@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from tests.forked import run_script
+
 from tests.eval.conftest import REPO, require_task_data
 
 TASKS = "lambada_openai,piqa,wikitext"  # last-word accuracy, multiple choice, rolling perplexity
@@ -18,12 +20,12 @@ TASKS = "lambada_openai,piqa,wikitext"  # last-word accuracy, multiple choice, r
 
 def run_tool(*args, nproc=1, timeout=600, env=None):
     tool = [str(REPO / "tools" / "evaluate.py"), *map(str, args)]
-    cmd = ([sys.executable, *tool] if nproc == 1 else
-           [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", *tool])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    if nproc == 1:  # forked from this process when it can be (tests/forked.py)
+        return run_script(tool[0], tool[1:], cwd=REPO, env=env, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={nproc}", *tool], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def _metrics(folder):

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.forked import run_script
+
 REPO = Path(__file__).resolve().parents[2]
 SHARED = Path(os.environ.get("IIET_SHARED_DATA", REPO.parent / "shared" / "data"))
 # the six shortest: Alice, The Time Machine, The Devil's Dictionary, Treasure Island, Tom Sawyer,
@@ -96,8 +98,12 @@ def test_training_your_own_steps_1_to_4_run_as_written(tmp_path):
            "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
     for command in readme_commands():
-        proc = subprocess.run(localise(command), cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=900)
+        args = localise(command)
+        if args[0] == sys.executable and args[1].endswith(".py"):  # forked: tests/forked.py
+            proc = run_script(args[1], args[2:], cwd=tmp_path, env=env, timeout=900)
+        else:
+            proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True,
+                                  timeout=900)
         assert proc.returncode == 0, (f"README step failed: {command}\n"
                                       f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     # what each step should have left behind

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.forked import run_script
 import torch
 
 from tests.training.conftest import REPO, base_overrides, check_ok, launch, records
@@ -104,10 +106,9 @@ def test_two_live_teachers_window_terms_and_bit_exact_resume(teachers, distilled
 def test_distilled_student_exports_to_hf_with_its_iterations(distilled, tmp_path):
     log_dir = distilled[0]
     folder = tmp_path / "hf"
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "convert_checkpoint.py"),
-                           "megatron-to-hf", str(log_dir / "checkpoints"), str(folder)],
-                          cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    proc = run_script(REPO / "tools" / "convert_checkpoint.py",
+                      ["megatron-to-hf", log_dir / "checkpoints", folder], cwd=REPO, timeout=600,
+                      env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = json.loads((folder / "config.json").read_text())
     assert config["iterations"] == PLAN

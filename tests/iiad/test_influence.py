@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.forked import run_script
 from torch import nn
 
 from megatron_iiet.distributed import spawn_local
@@ -105,12 +107,13 @@ def trained_iiet(tmp_path_factory):
 
 
 def _tool(name, *args, nproc=1):
-    head = ([sys.executable] if nproc == 1 else
-            [sys.executable, "-m", "torch.distributed.run", "--standalone",
-             f"--nproc-per-node={nproc}"])
-    return subprocess.run([*head, str(REPO / "tools" / name), *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    if nproc == 1:  # forked from this process when it can be (tests/forked.py)
+        return run_script(REPO / "tools" / name, args, cwd=REPO, env=env, timeout=600)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={nproc}", str(REPO / "tools" / name),
+                           *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env=env)
 
 
 def _one_line_error(proc, words: str) -> None:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import yaml
 
+from tests.forked import run_script
+
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
@@ -44,7 +46,7 @@ def _cli(*args, wait=True):
     if not wait:
         return subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
+    return run_script(cmd[1], cmd[2:], cwd=REPO, env=ENV, timeout=900)  # tests/forked.py
 
 
 def _records(run_dir: Path) -> list[dict]:

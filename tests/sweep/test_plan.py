@@ -3,13 +3,13 @@ torch's FlopCounterMode over a forward, every pass included), and a bad sweep is
 before anything runs."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+
+from tests.forked import run_script
 
 REPO = Path(__file__).resolve().parents[2]
 ARCHS = ["vanilla", "ode_rk2", "ode_rk4", "pcformer_rk2", "iiet"]
@@ -73,10 +73,10 @@ def test_plan_flops_and_parameters_match_the_built_model(tmp_path):
 
 
 def _plan_cli(path):
-    return subprocess.run([sys.executable, str(REPO / "tools" / "sweep.py"), "plan", str(path),
-                           "--dry-run", "--flops-per-second", "1e9"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+    return run_script(REPO / "tools" / "sweep.py",
+                      ["plan", path, "--dry-run", "--flops-per-second", "1e9"], cwd=REPO,
+                      timeout=300,
+                      env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
 
 
 @pytest.mark.parametrize("changes,words", [

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.forked import run_script
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -61,9 +63,10 @@ def launch(overrides: list[str], nproc: int = 1, env: dict | None = None, wait: 
         # its own process group, so a test can kill the run with every helper it spawned
         return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True,
+    if nproc == 1:  # forked from this process when it can be (tests/forked.py)
+        return run_script(args[0], args[1:], cwd=REPO, env=full_env, timeout=timeout)
+    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
-    return proc
 
 
 def check_ok(proc) -> None:
