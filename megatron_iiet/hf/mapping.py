@@ -3,7 +3,8 @@
 The block's tensors are the same for every architecture and are mapped here; what an
 architecture adds (history rows and norms, the RK2 gate, PCformer's alpha and stage norms) is
 mapped from the ``TensorName``s its registry entry declares (megatron_iiet/model/architectures.py),
-so a new architecture needs nothing here. Pure tensor work: no megatron import, no files.
+so a new architecture needs nothing here. Config fields come from model/config.py's KNOBS.
+Pure tensor work: no megatron import at import time, no files.
 """
 
 from __future__ import annotations
@@ -26,22 +27,14 @@ _BLOCK_RENAMES = (
     ("block.mlp.linear_fc2.weight", "mlp.down_proj.weight"),
 )
 
-# megatron config field -> IIETConfig field, for the values copied unchanged.
-CONFIG_FIELDS = (
-    ("hidden_size", "hidden_size"),
-    ("ffn_hidden_size", "intermediate_size"),
-    ("num_layers", "num_hidden_layers"),
-    ("num_attention_heads", "num_attention_heads"),
-    ("num_query_groups", "num_key_value_heads"),
-    ("layernorm_epsilon", "rms_norm_eps"),
-    ("rotary_base", "rope_theta"),
-    ("init_method_std", "initializer_range"),
-    ("share_embeddings_and_output_weights", "tie_word_embeddings"),
-    ("architecture", "architecture"),
-    ("history_norm_eps", "history_norm_eps"),
-    # Not read by the HF model; kept so HF -> megatron restores the trained r.
-    ("max_iterations", "max_iterations"),
-)
+def config_fields() -> tuple[tuple[str, str], ...]:
+    """(megatron config field, IIETConfig field) of the values copied unchanged: the knobs with an
+    HF name that mapping does not derive (model/config.py's KNOBS, the one table)."""
+    from megatron_iiet.model.config import KNOBS
+
+    return tuple((name, knob.hf) for name, knob in KNOBS.items()
+                 if knob.hf is not None and not knob.hf_derived)
+
 
 Take = Callable[[str], torch.Tensor]
 
@@ -186,7 +179,7 @@ def hf_config_for(model_cfg, vocab_size: int, tokenizer=None, max_positions: int
     from megatron_iiet.hf.configuration_iiet import IIETConfig
 
     architecture = _architecture(model_cfg)
-    fields = {theirs: getattr(model_cfg, ours) for ours, theirs in CONFIG_FIELDS}
+    fields = {theirs: getattr(model_cfg, ours) for ours, theirs in config_fields()}
     fields["rope_theta"] = float(fields["rope_theta"])
     if tokenizer is not None:
         fields.update(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id,
@@ -220,7 +213,7 @@ def train_config_for_hf(hf_config, tokenizer_path: Optional[str], precision: str
 
     expressible = {f.name for f in dataclasses.fields(ModelSection)}
     defaults = preset("tiny")
-    for ours, theirs in CONFIG_FIELDS:
+    for ours, theirs in config_fields():
         if ours in expressible:
             continue
         # TrainConfig cannot set it, so the HF value must be the megatron default.
@@ -228,7 +221,7 @@ def train_config_for_hf(hf_config, tokenizer_path: Optional[str], precision: str
         if abs(float(value) - float(default)) > 1e-12 * max(1.0, abs(default)):
             raise ConversionError(f"config {theirs}={value}: the megatron model supports only "
                                   f"{default}")
-    copied = {ours: getattr(hf_config, theirs) for ours, theirs in CONFIG_FIELDS
+    copied = {ours: getattr(hf_config, theirs) for ours, theirs in config_fields()
               if ours in expressible and ours != "max_iterations"}
     architecture = _architecture(hf_config)
     iterates = architecture.iterates

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -178,6 +178,68 @@ class IIETTransformerConfig(TransformerConfig):
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
         values.update(changes)
         return IIETTransformerConfig(**values)
+
+
+class Knob(NamedTuple):
+    """Where a model-config field goes besides the model."""
+
+    run: bool = False
+    """A training run may set it: `model.<name>` in its YAML or `--set` (training/config.py's
+    ModelSection has one field per such knob, of the field's type, None meaning the preset's or
+    this config's default)."""
+    hf: Optional[str] = None
+    """Its name in the exported HF config (IIETConfig); None: it never reaches the export
+    (training-only: checkpointing, compile, dropout, the history's initialisation)."""
+    hf_derived: bool = False
+    """The HF config has it, but hf/mapping.py derives it instead of copying the value: the
+    formulation through the architecture, the per-layer iterations, the padded vocabulary, the
+    positions."""
+
+
+# Every model-config field that is more than megatron-core plumbing, declared once with where it
+# goes; the field's type, default and meaning are IIETTransformerConfig's. A new knob is its
+# field above plus one line here. tests/model/test_knobs.py checks that every field this config
+# adds to megatron's is listed, and every HF name is an IIETConfig field.
+KNOBS: dict[str, Knob] = {
+    "architecture": Knob(run=True, hf="architecture"),
+    "formulation": Knob(run=True, hf="formulation", hf_derived=True),
+    "iterations": Knob(run=True, hf="iterations", hf_derived=True),
+    "max_iterations": Knob(run=True, hf="max_iterations"),
+    "iteration_checkpointing": Knob(run=True),
+    "compile": Knob(run=True),
+    "recompute_granularity": Knob(run=True),
+    "recompute_method": Knob(run=True),
+    "recompute_num_layers": Knob(run=True),
+    "num_layers": Knob(run=True, hf="num_hidden_layers"),
+    "hidden_size": Knob(run=True, hf="hidden_size"),
+    "num_attention_heads": Knob(run=True, hf="num_attention_heads"),
+    "num_query_groups": Knob(run=True, hf="num_key_value_heads"),
+    "ffn_hidden_size": Knob(run=True, hf="intermediate_size"),
+    "share_embeddings_and_output_weights": Knob(run=True, hf="tie_word_embeddings"),
+    "hidden_dropout": Knob(run=True),
+    "attention_dropout": Knob(run=True),
+    "init_method_std": Knob(run=True, hf="initializer_range"),
+    "history_init": Knob(run=True),
+    "history_norm_eps": Knob(hf="history_norm_eps"),
+    "layernorm_epsilon": Knob(hf="rms_norm_eps"),
+    "rotary_base": Knob(hf="rope_theta"),
+    "vocab_size": Knob(hf="vocab_size", hf_derived=True),
+    "max_sequence_length": Knob(hf="max_position_embeddings", hf_derived=True),
+}
+
+
+def knob_type(name: str):
+    """The type IIETTransformerConfig (or megatron-core's TransformerConfig) declares for a
+    field, resolved from its annotation in the module that declares it."""
+    import sys
+
+    for cls in IIETTransformerConfig.__mro__:
+        annotation = vars(cls).get("__annotations__", {}).get(name)
+        if annotation is not None:
+            if isinstance(annotation, str):
+                return eval(annotation, vars(sys.modules[cls.__module__]))  # noqa: S307 (our source)
+            return annotation
+    raise KeyError(f"{name}: not a field of IIETTransformerConfig")
 
 
 # Spec section 7: name -> (hidden, layers, heads, FFN, tied embeddings)

@@ -141,9 +141,9 @@ class SweepPlan:
 
 def load_sweep(path: str | Path) -> SweepSpec:
     from megatron_iiet.model.architectures import architecture_names
-    from megatron_iiet.training.config import _build, read_yaml_mapping
+    from megatron_iiet.training.config import build_typed, read_yaml_mapping
 
-    spec = _build(SweepSpec, read_yaml_mapping(str(path), "sweep"), "")
+    spec = build_typed(SweepSpec, read_yaml_mapping(str(path), "sweep"), "")
     known = architecture_names()
     for i, arch in enumerate(spec.architectures):
         if arch not in known:

@@ -189,12 +189,13 @@ def parse_saved_config(tree: Any, where: Path | str, error=CheckpointError):
     parser. Its `distill` section is a training matter (teachers, window) no rebuild needs, and
     is dropped."""
     from megatron_iiet.errors import BadInput
-    from megatron_iiet.training.config import TrainConfig, _build
+    from megatron_iiet.training.config import TrainConfig, build_typed
 
     if not isinstance(tree, dict):
         raise error(f"{where}: not written by this project's trainer (no config)")
     try:
-        return _build(TrainConfig, {k: v for k, v in tree.items() if k != "distill"}, "config")
+        return build_typed(TrainConfig, {k: v for k, v in tree.items() if k != "distill"},
+                           "config")
     except BadInput as err:
         raise error(f"{where}: {err}") from err
 

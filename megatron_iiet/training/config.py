@@ -22,34 +22,26 @@ import yaml
 from megatron_iiet.errors import BadInput
 
 
-@dataclass
-class ModelSection:
-    """Fields of the model config (megatron_iiet.model.config.IIETTransformerConfig) a run may
-    set. None (every default here) leaves the preset's value, or the model config's own default:
-    the defaults are written once, there (architecture iiet, formulation history,
-    max_iterations 3, no iteration checkpointing, no dropout, init std 0.02)."""
+def _model_section():
+    """ModelSection: `preset`, then one Optional field per model knob a run may set
+    (model/config.py's KNOBS), typed as the model config types it. None (every default here)
+    leaves the preset's value, or the model config's own default: defaults are written once,
+    there."""
+    from megatron_iiet.model.config import KNOBS, knob_type
 
-    preset: str = "tiny"
-    """tiny | 55m | 340m | 1.3b (spec table); any field below overrides the preset."""
-    architecture: Optional[str] = None
-    formulation: Optional[str] = None
-    iterations: Optional[list[int]] = None
-    max_iterations: Optional[int] = None
-    iteration_checkpointing: Optional[str] = None
-    compile: Optional[bool] = None
-    recompute_granularity: Optional[str] = None
-    recompute_method: Optional[str] = None
-    recompute_num_layers: Optional[int] = None
-    num_layers: Optional[int] = None
-    hidden_size: Optional[int] = None
-    num_attention_heads: Optional[int] = None
-    num_query_groups: Optional[int] = None
-    ffn_hidden_size: Optional[int] = None
-    share_embeddings_and_output_weights: Optional[bool] = None
-    hidden_dropout: Optional[float] = None
-    attention_dropout: Optional[float] = None
-    init_method_std: Optional[float] = None
-    history_init: Optional[str] = None
+    fields = [("preset", str, field(default="tiny"))]
+    fields += [(name, Optional[knob_type(name)], field(default=None))
+               for name, knob in KNOBS.items() if knob.run]
+    section = dataclasses.make_dataclass("ModelSection", fields)
+    section.__module__ = __name__
+    section.__doc__ = ("Fields of the model config (megatron_iiet.model.config."
+                       "IIETTransformerConfig) a run may set; None leaves the preset's value or "
+                       "the model config's default. preset: tiny | 55m | 340m | 1.3b (spec "
+                       "table); any other field overrides the preset.")
+    return section
+
+
+ModelSection = _model_section()
 
 
 @dataclass
@@ -252,7 +244,11 @@ def _check_type(value: Any, annotation: Any, where: str) -> Any:
     if annotation is Any:
         return value
     if dataclasses.is_dataclass(annotation):
-        return _build(annotation, value if value is not None else {}, where)
+        return build_typed(annotation, value if value is not None else {}, where)
+    if origin is typing.Literal:
+        if value not in args:
+            raise BadInput(f"{where}: expected one of {', '.join(map(repr, args))}, got {value!r}")
+        return value
     if origin is Union:
         if value is None and type(None) in args:
             return None
@@ -290,7 +286,10 @@ def _check_type(value: Any, annotation: Any, where: str) -> Any:
     return value
 
 
-def _build(cls, data: dict, where: str):
+def build_typed(cls, data: dict, where: str):
+    """An instance of the config dataclass ``cls`` from a plain mapping (YAML, a checkpoint's
+    saved config, a sweep file), strictly: an unknown key or a value of the wrong type is one
+    BadInput line naming the dotted field under ``where``. The one parser of every config."""
     if not isinstance(data, dict):
         raise BadInput(f"{where or 'config'}: expected a mapping, got {data!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -302,7 +301,7 @@ def _build(cls, data: dict, where: str):
             raise BadInput(f"{name}: unknown key (known: {', '.join(fields)})")
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
-            kwargs[key] = _build(hint, value or {}, name)
+            kwargs[key] = build_typed(hint, value or {}, name)
         else:
             kwargs[key] = _check_type(value, hint, name)
     return cls(**kwargs)
@@ -389,7 +388,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     for text in overrides or []:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
-    cfg = _build(TrainConfig, tree, "")
+    cfg = build_typed(TrainConfig, tree, "")
     validate(cfg, here=here)
     return cfg
 

@@ -6,17 +6,14 @@ import dataclasses
 import inspect
 
 from megatron_iiet.hf.configuration_iiet import DEFAULT_ITERATIONS, IIETConfig
-from megatron_iiet.hf.mapping import CONFIG_FIELDS
-from megatron_iiet.model.config import IIETTransformerConfig
+from megatron_iiet.hf.mapping import config_fields
+from megatron_iiet.model.config import KNOBS, IIETTransformerConfig
 from megatron_iiet.training.config import ModelSection
 
 # Sizes have no megatron default: the preset sets them (ModelSection's are None, megatron's 0).
 SET_BY_THE_PRESET = {"hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads"}
-# (megatron field, IIETConfig field) of what the conversion sets apart from CONFIG_FIELDS.
-SHARED_ELSEWHERE = (("vocab_size", "vocab_size"),
-                    ("max_sequence_length", "max_position_embeddings"),
-                    ("formulation", "formulation"),
-                    ("iterations", "iterations"))
+# (megatron field, IIETConfig field) of what the conversion derives instead of copying.
+SHARED_ELSEWHERE = tuple((name, knob.hf) for name, knob in KNOBS.items() if knob.hf_derived)
 
 
 def _dataclass_defaults(cls) -> dict:
@@ -36,7 +33,7 @@ def test_every_shared_field_has_one_default():
     hf, megatron = _hf_defaults(), _dataclass_defaults(IIETTransformerConfig)
     section = _dataclass_defaults(ModelSection)
     compared = []
-    for ours, theirs in CONFIG_FIELDS + SHARED_ELSEWHERE:
+    for ours, theirs in config_fields() + SHARED_ELSEWHERE:
         if ours in SET_BY_THE_PRESET:
             assert section.get(ours) is None, ours  # really left to the preset
             continue
@@ -44,7 +41,7 @@ def test_every_shared_field_has_one_default():
         if section.get(ours) is not None:
             assert section[ours] == megatron[ours], ours
         compared.append(ours)
-    assert len(compared) == len(CONFIG_FIELDS) + len(SHARED_ELSEWHERE) - len(SET_BY_THE_PRESET)
+    assert len(compared) == len(config_fields()) + len(SHARED_ELSEWHERE) - len(SET_BY_THE_PRESET)
 
 
 def test_the_default_hf_config_runs_the_default_iterations():
