@@ -96,7 +96,7 @@ def run(args) -> int:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_iiet.data.atomic import write_bytes_atomic
+    from megatron_iiet.data.atomic import temp_leftovers, write_bytes_atomic
     from megatron_iiet.distributed import barrier, initialize, on_rank0
     from megatron_iiet.eval.checkpoint import load_for_inference
     from megatron_iiet.iiad.kl import vocab_parallel_topk
@@ -148,6 +148,10 @@ def run(args) -> int:
     if flags.numel():
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=ps.get_model_parallel_group())
     todo = [s for s, f in zip(mine, flags.tolist()) if f]
+    if writer:  # what a killed run of these shards (a requeued task's first try) left half-written
+        for shard in todo:
+            for leftover in temp_leftovers(args.output / shard_name(shard)):
+                leftover.unlink(missing_ok=True)
     bar = None
     if dist.get_rank() == 0 and not args.no_progress:
         from tqdm import tqdm
