@@ -70,7 +70,7 @@ def import_from_hf(src, dst, tp: int = 1, pp: int = 1, precision: str = "fp32",
     """Write a model-only megatron checkpoint root `dst` (latest + iter_0000000) for `src`.
     NaN/Inf weights (or weights `precision` cannot hold) are refused unless `allow_nonfinite`,
     weights beyond +-`max_abs_weight` always (None: no bound)."""
-    from megatron_iiet.training.config import padded_vocab_size  # cheap: no megatron import
+    from megatron_iiet.training.config import padded_vocab_size
 
     start = time.perf_counter()
     src, dst = Path(src), Path(dst)
