@@ -158,8 +158,34 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port that is free now and that the kernel will not hand out meanwhile.
+
+    Asking the kernel for port 0 returns an ephemeral port, and the kernel gives the same range to
+    every outgoing connection (gloo opens many): between our check and the rendezvous binding it,
+    another job's connection could take it (EADDRINUSE). So pick below the ephemeral range.
+    """
+    import random
+
+    low, _ = _ephemeral_range()
+    candidates = random.Random().sample(range(20000, max(low, 20001)), k=min(64, max(low - 20000, 1)))
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # all taken: the kernel's choice is better than none
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -199,6 +225,20 @@ def spawn_local(
     ``fn`` must be importable (module level). Raises RuntimeError with the failing rank's
     traceback, or TimeoutError if a rank hangs past ``timeout_s``.
     """
+    for attempt in range(3):
+        try:
+            return _spawn_once(fn, world_size, tensor_parallel, pipeline_parallel, timeout_s,
+                               threads_per_rank, kwargs)
+        except RuntimeError as err:
+            # Another process took the port between free_port and the rendezvous; no rank got
+            # past initialize, so fn never ran: safe to try again on a new port.
+            if "EADDRINUSE" not in str(err) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _spawn_once(fn, world_size, tensor_parallel, pipeline_parallel, timeout_s, threads_per_rank,
+                kwargs) -> list[Any]:
     import multiprocessing as mp
     from multiprocessing.connection import wait
 
