@@ -22,13 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def passes(config) -> int:
-    """Block passes per token, from the exported model's own scheme table (the one the shipped
-    forward runs), so a new scheme needs no entry here."""
-    from megatron_iiet.hf.configuration_iiet import SCHEMES, scheme_key
-
-    scheme = SCHEMES[scheme_key(config.architecture, getattr(config, "formulation", "history"))]
-    its = config.iterations or [config.max_iterations] * config.num_hidden_layers
-    return sum(scheme.passes(i) for i in its)
+    """Block passes per token, from the exported model's own config (the same architecture table
+    the shipped forward runs), so a new architecture needs no entry here."""
+    return sum(config.passes_per_layer())
 
 
 def main() -> int:

@@ -1,60 +1,36 @@
 """Hugging Face configuration for IIET models and their baselines.
 
 This file is copied verbatim into every exported checkpoint folder, so it must import nothing but
-the standard library, torch and transformers. Field names follow LlamaConfig so LLaMA-aware tooling reads the sizes; the
+the standard library, torch, transformers and its sibling modeling_iiet.py (which declares the
+architectures). Field names follow LlamaConfig so LLaMA-aware tooling reads the sizes; the
 IIET-specific fields are `architecture`, `formulation`, `iterations` and `history_norm_eps`.
 """
 
-from dataclasses import dataclass
-from typing import Callable
-
 from transformers import PretrainedConfig
 
-
-@dataclass(frozen=True)
-class Scheme:
-    """What the config knows of an architecture; its step and parameters are in modeling_iiet.py."""
-
-    passes: Callable[[int], int]  # a layer's iterations -> its block passes (KV-cache slots)
-    uses_history: bool = False  # carries the cross-layer history of spec section 3
-
-
-def _passes_fixed(n):
-    return lambda iterations: n
-
-
-def _predictor_plus_iterations(iterations):
-    return 1 + iterations
-
-
-# Every architecture this code runs, keyed by name, or "name/formulation" for one with several
-# formulations (IIET). The HF mirror of megatron_iiet/model/architectures.py (whose tests check
-# that both agree); spec sections 1, 2, 4 and 5 (PCformer = predictor stages + one corrector).
-SCHEMES = {
-    "vanilla": Scheme(_passes_fixed(1)),
-    "ode_rk2": Scheme(_passes_fixed(2)),
-    "ode_rk2_gated": Scheme(_passes_fixed(2)),
-    "ode_rk4": Scheme(_passes_fixed(4)),
-    "pcformer_rk2": Scheme(_passes_fixed(3), uses_history=True),
-    "pcformer_rk4": Scheme(_passes_fixed(5), uses_history=True),
-    "iiet/history": Scheme(_predictor_plus_iterations, uses_history=True),
-    "iiet/fixed_point": Scheme(_predictor_plus_iterations),
-}
 DEFAULT_ITERATIONS = 3
 
 
-def scheme_key(architecture, formulation):
-    """The SCHEMES key of an architecture: the formulation counts only where it has several."""
+def _architectures():
+    # The architectures are declared once, with their steps, in modeling_iiet.py (its sibling in
+    # every export). Imported when asked: modeling_iiet imports this module at its top.
+    from .modeling_iiet import ARCHITECTURES
+
+    return ARCHITECTURES
+
+
+def architecture_key(architecture, formulation):
+    """The ARCHITECTURES key: the formulation counts only where an architecture has several."""
     key = f"{architecture}/{formulation}"
-    return key if key in SCHEMES else architecture
+    return key if key in _architectures() else architecture
 
 
 def architecture_names():
-    return tuple(dict.fromkeys(key.split("/")[0] for key in SCHEMES))
+    return tuple(dict.fromkeys(key.split("/")[0] for key in _architectures()))
 
 
 def formulation_names():
-    return tuple(dict.fromkeys(key.split("/")[1] for key in SCHEMES if "/" in key))
+    return tuple(dict.fromkeys(key.split("/")[1] for key in _architectures() if "/" in key))
 
 
 class IIETConfig(PretrainedConfig):
@@ -117,7 +93,7 @@ class IIETConfig(PretrainedConfig):
             raise ValueError(f"architecture must be one of {architecture_names()}, got {self.architecture!r}")
         if self.formulation not in formulation_names():
             raise ValueError(f"formulation must be one of {formulation_names()}, got {self.formulation!r}")
-        if scheme_key(self.architecture, self.formulation) not in SCHEMES:
+        if architecture_key(self.architecture, self.formulation) not in _architectures():
             raise ValueError(f"architecture {self.architecture!r} has no {self.formulation!r} formulation")
         if len(self.iterations) != self.num_hidden_layers:
             raise ValueError(
@@ -132,20 +108,17 @@ class IIETConfig(PretrainedConfig):
             raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
 
     @property
-    def scheme(self):
-        return SCHEMES[scheme_key(self.architecture, self.formulation)]
-
-    @property
     def uses_history(self):
         """Whether the model carries the cross-layer history of spec section 3."""
-        return self.scheme.uses_history
+        return _architectures()[architecture_key(self.architecture, self.formulation)].uses_history
 
     def passes_per_layer(self):
         """Block evaluations of each layer: one KV-cache slot per (layer, pass)."""
-        return [self.scheme.passes(r) for r in self.iterations]
+        passes = _architectures()[architecture_key(self.architecture, self.formulation)].passes
+        return [passes(r) for r in self.iterations]
 
 
 # save_pretrained copies this file next to the weights and records it in auto_map.
 IIETConfig.register_for_auto_class()
 
-__all__ = ["IIETConfig", "SCHEMES", "Scheme", "architecture_names", "formulation_names", "scheme_key"]
+__all__ = ["IIETConfig", "architecture_key", "architecture_names", "formulation_names"]

@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover - older transformers
     _init = None
 
 from .cache_iiet import IIETCache, IIETCacheLayer  # noqa: F401  (the store, for users and tests)
-from .configuration_iiet import IIETConfig, scheme_key
+from .configuration_iiet import IIETConfig, architecture_key
 
 # torch >= 2.4; exported folders may be loaded with an older torch.
 _HAS_RMS_NORM = hasattr(F, "rms_norm")
@@ -237,7 +237,7 @@ class IIETDecoderLayer(nn.Module):
         self.self_attn = IIETAttention(config)
         self.post_attention_layernorm = IIETRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = IIETMLP(config)
-        for name, module in step_of(config).layer_parameters(config).items():
+        for name, module in architecture_of(config).layer_parameters(config).items():
             setattr(self, name, module)
 
     def block(self, u, pass_index, ctx):
@@ -258,22 +258,11 @@ def uniform_lower_triangular(size):
 
 
 class HistoryStates:
-    """The states S_0 .. S_l of one forward, and the running layer's partial sums.
-
-    Layer l (1-based row l of W / Wc) reads pop(l) and refine(l) once per pass, but only its own
-    state S_l changes between those reads: S_0 .. S_{l-1} are final once the layer starts. So when
-    the layer adds its predictor, one matmul over the stacked earlier states gives both partial
-    sums `P_l = sum_{k<l} W[l,k] S_k` and `R_l = sum_{k<l} Wc[l,k] S_k`, and each pop / refine
-    is then one fused multiply-add with the newest state (`IIETHistory.pop`). The same code runs
-    for any number of positions, so prefill and cached decode compute every position alike.
-    """
+    """The states S_0 .. S_l of one forward: the embeddings, then each finished layer's state."""
 
     def __init__(self, embeddings, rows):
         self.states = [embeddings]  # S_0 .. S_l
         self.rows = rows  # rows[l]: [2, L+1] = row l of W and of Wc, in the states' dtype
-        self.row = None  # l of the running layer
-        self.pop_partial = self.refine_partial = None  # P_l, R_l
-        self.pop_newest = self.refine_newest = None  # W[l, l], Wc[l, l] (0-dim)
 
     def __len__(self):
         return len(self.states)
@@ -285,8 +274,8 @@ class HistoryStates:
 class IIETHistory(nn.Module):
     """States S_0 (embeddings) .. S_l, combined by the pop (W) and refine (Wc) matrices.
 
-    `start` opens the `HistoryStates` of one forward; layers are 0-based here, so layer i writes
-    S_{i+1} and reads row i+1 of W / Wc.
+    `start` opens the `HistoryStates` of one forward and `layer` gives a layer its
+    `LayerHistory`; layers are 0-based here, so layer i writes S_{i+1} and reads row i+1 of W / Wc.
     """
 
     def __init__(self, config):
@@ -303,119 +292,172 @@ class IIETHistory(nn.Module):
         rows = torch.stack([self.weight, self.weight_c], dim=1).to(embeddings.dtype).unbind(0)
         return HistoryStates(embeddings, rows)
 
-    def add_predictor(self, states, layer_index, z):
+    def layer(self, states, layer_index):
+        return LayerHistory(self, states, layer_index)
+
+
+class LayerHistory:
+    """Layer l's view of the history (the HF twin of megatron's model/history.py LayerHistory).
+
+    Only the layer's own state S_l changes while it runs: S_0 .. S_{l-1} are final. So one
+    matmul over them, when the layer starts, gives both partial sums `P_l = sum_{k<l} W[l,k] S_k`
+    and `R_l = sum_{k<l} Wc[l,k] S_k`, and each pop / finish is then one fused multiply-add with
+    the newest state. The same code runs for any number of positions, so prefill and cached
+    decode compute every position alike.
+    """
+
+    def __init__(self, history, states, layer_index):
         row = layer_index + 1
         if len(states) != row:
             raise RuntimeError(f"history holds {len(states)} states, layer {layer_index} expects {row}")
-        earlier = torch.stack(states.states)  # S_0 .. S_{row-1}: final from here on
+        earlier = torch.stack(states.states)  # S_0 .. S_{row-1}
         coefficients = states.rows[row]  # [2, L+1]: row `row` of W and of Wc
         partial = coefficients[:, :row] @ earlier.view(row, -1)
-        states.pop_partial, states.refine_partial = partial.view(2, *earlier.shape[1:]).unbind(0)
-        states.pop_newest, states.refine_newest = coefficients[:, row].unbind(0)
-        states.row = row
-        states.states.append(self.rouge_predictions_norm[layer_index](z))
+        self.pop_sum, self.refine_sum = partial.view(2, *earlier.shape[1:]).unbind(0)
+        self.own_pop_weight, self.own_refine_weight = coefficients[:, row].unbind(0)
+        self.predictor_norm = history.rouge_predictions_norm[layer_index]
+        self.corrector_norm = history.layer_norms[layer_index]
+        self.states = states
 
-    def correct(self, states, layer_index, z):
-        states.states[layer_index + 1] = self.layer_norms[layer_index](z)
+    def pop(self, state):
+        """sum_k W[l, k] S_k over S_0..S_l, with ``state`` as the layer's newest S_l."""
+        return torch.addcmul(self.pop_sum, self.own_pop_weight, state)
 
-    def pop(self, states, layer_index):
-        """sum_{k<=l} W[l,k] S_k, l = layer_index + 1 (the partial sum plus the newest state)."""
-        self._check_running(states, layer_index)
-        return torch.addcmul(states.pop_partial, states.pop_newest, states.states[layer_index + 1])
-
-    def refine(self, states, layer_index):
-        """sum_{k<=l} Wc[l,k] S_k."""
-        self._check_running(states, layer_index)
-        return torch.addcmul(states.refine_partial, states.refine_newest, states.states[layer_index + 1])
-
-    @staticmethod
-    def _check_running(states, layer_index):
-        if states.row != layer_index + 1:
-            raise RuntimeError(f"layer {layer_index} reads the history before adding its predictor")
+    def finish(self, state):
+        """Stores ``state`` as the layer's final S_l; returns the layer output refine(l)."""
+        self.states.states.append(state)
+        return torch.addcmul(self.refine_sum, self.own_refine_weight, state)
 
 
 # ----------------------------------------------------------------------------------------------
-# Architectures: how pass inputs are formed and outputs combined (spec sections 1, 2, 4, 5)
-# Each step gets `run(u, pass_index) -> Block_l(u)` and returns the layer output.
+# Architectures: how pass inputs are formed and outputs combined (spec sections 1, 2, 4, 5).
+# The HF twin of megatron_iiet/model/architectures.py, in the same dialect: a step gets
+# `StepInputs` and calls `s.run(u)` once per pass (the next pass of the layer's block),
+# `s.run.residual(u)` = Block(u) - u, and, with the history, `s.history.pop` / `.finish`. Only
+# the parameter names differ: these are the release's (docs/hf.md).
 # ----------------------------------------------------------------------------------------------
-def vanilla_step(run, x, **_):
-    return run(x, 0)
+class PassRunner:
+    """Runs the passes of one layer's block during one forward, each in its own cache slot."""
+
+    def __init__(self, block, total_passes):
+        self.block = block  # (u, pass_index) -> Block(u)
+        self.total_passes = total_passes
+        self.passes_run = 0
+
+    def __call__(self, u, norm=None):
+        index = self.passes_run
+        if index >= self.total_passes:
+            raise RuntimeError(f"architecture ran pass {index + 1} but declared {self.total_passes} passes")
+        self.passes_run += 1
+        out = self.block(u, index)
+        return out if norm is None else norm(out)
+
+    def residual(self, u):
+        """F(u) = Block(u) - u, the block's residual branch (one pass)."""
+        return self(u) - u
+
+    def finish(self):
+        if self.passes_run != self.total_passes:  # the cache has one slot per declared pass
+            raise RuntimeError(f"architecture ran {self.passes_run} passes but declared {self.total_passes}")
 
 
-def _residual(run, u, pass_index):
-    """F(u) = Block(u) - u."""
-    return run(u, pass_index) - u
+@dataclass(frozen=True)
+class StepInputs:
+    x: torch.Tensor
+    history: "LayerHistory | None"  # the layer's view of the history (uses_history only)
+    run: PassRunner
+    layer: nn.Module  # the IIETDecoderLayer: its block and its architecture's layer parameters
+    shared: nn.Module  # the IIETModel, which holds the model-wide parameters (release layout)
+    iterations: int
 
 
-def ode_rk2_step(run, x, **_):
-    f1 = _residual(run, x, 0)
-    f2 = _residual(run, x + f1, 1)
-    return x + (f1 + f2) / 2
+def _vanilla(s):
+    return s.run(s.x)
 
 
-def ode_rk2_gated_step(run, x, layer, **_):
-    f1 = _residual(run, x, 0)
-    f2 = _residual(run, x + f1, 1)
-    g = torch.sigmoid(layer.gate_linear(torch.cat([f1, f2], dim=-1)))
-    return x + g * f1 + (1 - g) * f2
+def _rk2(s):
+    f1 = s.run.residual(s.x)
+    f2 = s.run.residual(s.x + f1)
+    return s.x + 0.5 * (f1 + f2)
 
 
-def ode_rk4_step(run, x, **_):
-    f1 = _residual(run, x, 0)
-    f2 = _residual(run, x + f1 / 2, 1)
-    f3 = _residual(run, x + f2 / 2, 2)
-    f4 = _residual(run, x + f3, 3)
-    return x + (f1 + 2 * f2 + 2 * f3 + f4) / 6
+def _rk2_gated(s):
+    f1 = s.run.residual(s.x)
+    f2 = s.run.residual(s.x + f1)
+    g = torch.sigmoid(s.layer.gate_linear(torch.cat([f1, f2], dim=-1)))
+    return s.x + g * f1 + (1.0 - g) * f2
 
 
-# Stage j+1 of the PCformer predictor starts from x + STEP[j] * o_j.
-_PC_STAGE_STEPS = {2: (1.0,), 4: (0.5, 0.5, 1.0)}
+def _rk4(s):
+    x, run = s.x, s.run
+    f1 = run.residual(x)
+    f2 = run.residual(x + 0.5 * f1)
+    f3 = run.residual(x + 0.5 * f2)
+    f4 = run.residual(x + f3)
+    return x + (f1 + 2.0 * f2 + 2.0 * f3 + f4) / 6.0
 
 
-def pcformer_step(run, x, layer, history, states, model, **_):
-    stages = len(model.RK_norm)
-    a = model.alpha.to(x.dtype)
-    outputs, u = [], x
-    for j in range(stages):
-        # o_j normalises the whole block output (input included), as released.
-        outputs.append(model.RK_norm[j](run(u, j)))
-        if j + 1 < stages:
-            u = x + _PC_STAGE_STEPS[stages][j] * outputs[-1]
-    predictor = x
-    for j, o in enumerate(outputs):  # EMA weights a(1-a)^(stages-1-j)
-        predictor = predictor + a * (1 - a) ** (stages - 1 - j) * o
-    i = layer.layer_index
-    history.add_predictor(states, i, predictor)
-    history.correct(states, i, run(history.pop(states, i), stages))
-    return history.refine(states, i)
+def _pcformer_predictor(s):
+    """RK predictor with EMA coefficients (spec 4.1); each o_j normalises the whole block output."""
+    x, a, norms = s.x, s.shared.alpha.to(s.x.dtype), s.shared.RK_norm
+    order = len(norms)
+    # Stage inputs: RK2 x, x+o1; RK4 x, x+o1/2, x+o2/2, x+o3.
+    input_scale = [1.0] if order == 2 else [0.5, 0.5, 1.0]
+    outputs = []
+    u = x
+    for j in range(order):
+        outputs.append(s.run(u, norm=norms[j]))
+        if j + 1 < order:
+            u = x + input_scale[j] * outputs[j]
+    predicted = x
+    for j, o in enumerate(outputs):
+        # weight of o_j: a (1-a)^(order-1-j)
+        predicted = predicted + a * (1.0 - a) ** (order - 1 - j) * o
+    return predicted
 
 
-def iiet_history_step(run, x, layer, history, states, iterations, **_):
-    i = layer.layer_index
-    history.add_predictor(states, i, run(x, 0))
-    for it in range(1, iterations + 1):
-        history.correct(states, i, run(history.pop(states, i), it))
-    return history.refine(states, i)
+def _pcformer(s):
+    history = s.history
+    state = history.predictor_norm(_pcformer_predictor(s))
+    state = s.run(history.pop(state), norm=history.corrector_norm)
+    return history.finish(state)
 
 
-def iiet_fixed_point_step(run, x, iterations, **_):
-    y = run(x, 0)  # explicit-Euler predictor y_0 = x + F(x)
-    for it in range(1, iterations + 1):
-        y = x + _residual(run, y, it)
+def _iiet_history(s):
+    history = s.history
+    state = s.run(s.x, norm=history.predictor_norm)
+    for _ in range(s.iterations):
+        state = s.run(history.pop(state), norm=history.corrector_norm)
+    return history.finish(state)
+
+
+def _iiet_fixed_point(s):
+    y = s.run(s.x)  # explicit-Euler predictor y_0 = x + F(x)
+    for _ in range(s.iterations):
+        y = s.x + s.run.residual(y)
     return y
 
 
-# ----------------------------------------------------------------------------------------------
-# The registry: each architecture's step and the parameters it adds (keys as in SCHEMES of
-# configuration_iiet.py; the HF mirror of megatron_iiet/model/architectures.py)
-# ----------------------------------------------------------------------------------------------
+def passes_fixed(n):
+    """For architectures whose layers run the same number of passes whatever `iterations`."""
+    return lambda iterations: n
+
+
+def _predictor_plus_iterations(iterations):
+    return iterations + 1
+
+
 def no_parameters(config):
     return {}
 
 
 @dataclass(frozen=True)
-class Step:
-    function: Callable
+class Architecture:
+    """One entry of ARCHITECTURES: the step, its passes and the parameters it adds."""
+
+    step: Callable  # StepInputs -> the layer output
+    passes: Callable  # a layer's iterations -> its block passes (KV-cache slots)
+    uses_history: bool = False  # carries the cross-layer history of spec section 3
     layer_parameters: Callable = no_parameters  # config -> {name: module} of every decoder layer
     model_parameters: Callable = no_parameters  # config -> {name: module or parameter} of `model.`
 
@@ -438,23 +480,26 @@ def pcformer_parameters(stages):
     return build
 
 
-STEPS = {
-    "vanilla": Step(vanilla_step),
-    "ode_rk2": Step(ode_rk2_step),
-    "ode_rk2_gated": Step(ode_rk2_gated_step, layer_parameters=rk2_gate),
-    "ode_rk4": Step(ode_rk4_step),
-    "pcformer_rk2": Step(pcformer_step, model_parameters=pcformer_parameters(2)),
-    "pcformer_rk4": Step(pcformer_step, model_parameters=pcformer_parameters(4)),
-    "iiet/history": Step(iiet_history_step, model_parameters=history_parameters),
-    "iiet/fixed_point": Step(iiet_fixed_point_step),
+# Every architecture this code runs, keyed by name, or "name/formulation" for one with several
+# formulations (IIET); the keys of megatron's registry (tests/model/test_registry.py checks that
+# both sides agree). The config reads its choices and pass counts here too.
+ARCHITECTURES = {
+    "vanilla": Architecture(_vanilla, passes_fixed(1)),
+    "ode_rk2": Architecture(_rk2, passes_fixed(2)),
+    "ode_rk2_gated": Architecture(_rk2_gated, passes_fixed(2), layer_parameters=rk2_gate),
+    "ode_rk4": Architecture(_rk4, passes_fixed(4)),
+    "pcformer_rk2": Architecture(_pcformer, passes_fixed(3), uses_history=True,
+                                 model_parameters=pcformer_parameters(2)),
+    "pcformer_rk4": Architecture(_pcformer, passes_fixed(5), uses_history=True,
+                                 model_parameters=pcformer_parameters(4)),
+    "iiet/history": Architecture(_iiet_history, _predictor_plus_iterations, uses_history=True,
+                                 model_parameters=history_parameters),
+    "iiet/fixed_point": Architecture(_iiet_fixed_point, _predictor_plus_iterations),
 }
 
 
-def step_of(config):
-    key = scheme_key(config.architecture, config.formulation)
-    if key not in STEPS:
-        raise ValueError(f"architecture {key!r} has no step in modeling_iiet.STEPS")
-    return STEPS[key]
+def architecture_of(config):
+    return ARCHITECTURES[architecture_key(config.architecture, config.formulation)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -590,7 +635,7 @@ class IIETModel(IIETPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, d)
         self.layers = nn.ModuleList(IIETDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = IIETRMSNorm(d, config.rms_norm_eps)
-        for name, value in step_of(config).model_parameters(config).items():
+        for name, value in architecture_of(config).model_parameters(config).items():
             setattr(self, name, value)
         self._rope = RopeTable()  # not a module or buffer: no state-dict entry
         self.gradient_checkpointing = False  # gradient_checkpointing_enable() turns it on
@@ -650,9 +695,8 @@ class IIETModel(IIETPreTrainedModel):
             mask = attention_mask_function(implementation)(mask, dtype)
         ctx = PassContext(cos, signed, mask, cache, attend)
 
-        step = step_of(self.config).function
-        history = getattr(self, "history", None)
-        states = history.start(inputs_embeds) if self.config.uses_history else None
+        architecture = architecture_of(self.config)
+        states = self.history.start(inputs_embeds) if architecture.uses_history else None
         keep = hidden_states_kept(output_hidden_states, self.config)
         all_hidden = []
         x = inputs_embeds
@@ -660,13 +704,16 @@ class IIETModel(IIETPreTrainedModel):
             if keep is not None:  # the layer's input: the embeddings, then each layer's output
                 all_hidden.append(x if len(all_hidden) in keep else None)
 
-            def run(u, pass_index, layer=layer):
+            def block(u, pass_index, layer=layer):
                 if self.gradient_checkpointing and self.training:
-                    return self._gradient_checkpointing_func(layer.block, u,
-                                                             pass_index, ctx)
+                    return self._gradient_checkpointing_func(layer.block, u, pass_index, ctx)
                 return layer.block(u, pass_index, ctx)
 
-            x = step(run, x, layer=layer, history=history, states=states, model=self, iterations=iterations)
+            run = PassRunner(block, architecture.passes(iterations))
+            history = self.history.layer(states, layer.layer_index) if states is not None else None
+            x = architecture.step(StepInputs(x=x, history=history, run=run, layer=layer,
+                                             shared=self, iterations=iterations))
+            run.finish()
         x = self.norm(x)
         if keep is not None:  # the last entry is after the final norm, as in LlamaModel
             all_hidden.append(x if len(all_hidden) in keep else None)
@@ -726,4 +773,5 @@ class IIETForCausalLM(IIETPreTrainedModel, GenerationMixin):
 IIETModel.register_for_auto_class("AutoModel")
 IIETForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
-__all__ = ["IIETCache", "IIETModel", "IIETForCausalLM", "IIETPreTrainedModel", "STEPS", "Step"]
+__all__ = ["ARCHITECTURES", "Architecture", "IIETCache", "IIETModel", "IIETForCausalLM",
+           "IIETPreTrainedModel", "StepInputs"]

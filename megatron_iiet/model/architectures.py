@@ -9,9 +9,9 @@ What an architecture adds to the shared block (the history rows, the RK2 gate, P
 model-wide alpha and stage norms) is declared with it as ``Parameters``: the module stack.py
 builds (through a megatron ModuleSpec), the names of its tensors in the megatron and HF layouts
 (moved by hf/mapping.py) and its matmul FLOPs (counted by flops.py). Nothing else branches on
-architecture names, so a new architecture is one ``register_architecture`` call, plus its mirror
-in the self-contained HF code (``SCHEMES`` in hf/configuration_iiet.py, ``STEPS`` in
-hf/modeling_iiet.py; tests/model/test_registry.py checks that the two sides agree).
+architecture names, so a new architecture is one ``register_architecture`` call, plus its twin
+in the self-contained HF code (an ``ARCHITECTURES`` entry in hf/modeling_iiet.py, whose steps
+are written in this same dialect; tests/model/test_registry.py checks that the two sides agree).
 
 Plain torch, no megatron import: the command-line tools read their choice lists here.
 """
@@ -202,17 +202,17 @@ def _pcformer_predictor(s: StepInputs) -> torch.Tensor:
 
 
 def _pcformer(s: StepInputs):
-    history, norms = s.history, s.layer.history
-    state = norms.predictor_norm(_pcformer_predictor(s))
-    state = s.run(history.pop(state), norm=norms.corrector_norm)
+    history = s.history
+    state = history.predictor_norm(_pcformer_predictor(s))
+    state = s.run(history.pop(state), norm=history.corrector_norm)
     return history.finish(state)
 
 
 def _iiet_history(s: StepInputs):
-    history, norms = s.history, s.layer.history
-    state = s.run(s.x, norm=norms.predictor_norm)
+    history = s.history
+    state = s.run(s.x, norm=history.predictor_norm)
     for _ in range(s.iterations):
-        state = s.run(history.pop(state), norm=norms.corrector_norm)
+        state = s.run(history.pop(state), norm=history.corrector_norm)
     return history.finish(state)
 
 

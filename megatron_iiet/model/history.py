@@ -224,6 +224,14 @@ class LayerHistory:
         self.own_pop_weight = params.pop_weight[l]
         self.own_refine_weight = params.refine_weight[l]
 
+    @property
+    def predictor_norm(self) -> nn.Module:
+        return self.params.predictor_norm
+
+    @property
+    def corrector_norm(self) -> nn.Module:
+        return self.params.corrector_norm
+
     def pop(self, state: torch.Tensor) -> torch.Tensor:
         """sum_k W[l, k] S_k over S_0..S_l, with ``state`` as the layer's newest S_l."""
         return torch.addcmul(self.pop_sum, self.own_pop_weight, state)

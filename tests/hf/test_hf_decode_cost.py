@@ -2,7 +2,7 @@
 
 The decode step does nothing per pass beyond the pass itself and O(1) history kernels: the
 (layer, pass) stores grow in place (`IIETCacheLayer`), the history keeps per-layer partial sums
-(`HistoryStates`), RoPE rows and the mask are prepared once per forward. These tests pin both
+(`LayerHistory`), RoPE rows and the mask are prepared once per forward. These tests pin both
 halves: the results (tokens and logits as without the cache, the rewritten pieces equal to the
 plain formulas) and the structure (which kernels a decode step runs).
 """
@@ -94,21 +94,25 @@ def test_store_supports_the_cache_api(small_blocks):
 
 @torch.no_grad()
 def test_history_partial_sums_equal_the_plain_sums():
-    """pop(l) / refine(l) from the per-layer partial sums equal sum_k W[l,k] S_k term by term."""
+    """pop(l) / finish(l) from the per-layer partial sums equal sum_k W[l,k] S_k term by term."""
     model = tiny_model(seed=12, architecture="iiet", iterations=2)
     history = model.model.history
     gen = torch.Generator().manual_seed(0)
     states = history.start(torch.randn(2, 5, 64, generator=gen))
     for i in range(4):
-        history.add_predictor(states, i, torch.randn(2, 5, 64, generator=gen))
+        layer = history.layer(states, i)
         for _ in range(2):
-            for matrix, combined in ((history.weight, history.pop(states, i)),
-                                     (history.weight_c, history.refine(states, i))):
-                plain = sum(matrix[i + 1, k] * states[k] for k in range(i + 2))
-                assert (combined - plain).abs().max().item() < 1e-6
-            history.correct(states, i, torch.randn(2, 5, 64, generator=gen))
-    with pytest.raises(RuntimeError, match="before adding its predictor"):
-        history.pop(history.start(states[0]), 0)
+            newest = torch.randn(2, 5, 64, generator=gen)
+            plain = sum(history.weight[i + 1, k] * states[k] for k in range(i + 1))
+            plain = plain + history.weight[i + 1, i + 1] * newest
+            assert (layer.pop(newest) - plain).abs().max().item() < 1e-6
+        final = torch.randn(2, 5, 64, generator=gen)
+        refined = layer.finish(final)
+        plain = sum(history.weight_c[i + 1, k] * states[k] for k in range(i + 2))
+        assert torch.equal(states[i + 1], final)
+        assert (refined - plain).abs().max().item() < 1e-6
+    with pytest.raises(RuntimeError, match="layer 1 expects 2"):
+        history.layer(history.start(states[0]), 1)
 
 
 @torch.no_grad()
@@ -118,12 +122,10 @@ def test_history_gives_every_position_the_same_result_alone_or_in_a_sequence():
     history = model.model.history
     gen = torch.Generator().manual_seed(1)
     seq = [torch.randn(1, 7, 64, generator=gen) for _ in range(5)]
-    full = history.start(seq[0])
-    alone = history.start(seq[0][:, -1:])
-    history.add_predictor(full, 0, seq[1])
-    history.add_predictor(alone, 0, seq[1][:, -1:])
-    assert torch.equal(history.pop(full, 0)[:, -1:], history.pop(alone, 0))
-    assert torch.equal(history.refine(full, 0)[:, -1:], history.refine(alone, 0))
+    full = history.layer(history.start(seq[0]), 0)
+    alone = history.layer(history.start(seq[0][:, -1:]), 0)
+    assert torch.equal(full.pop(seq[1])[:, -1:], alone.pop(seq[1][:, -1:]))
+    assert torch.equal(full.finish(seq[2])[:, -1:], alone.finish(seq[2][:, -1:]))
 
 
 def test_rope_and_norm_rewrites_are_bit_identical():

@@ -4,15 +4,17 @@ mirrors it.
 A toy scheme defined here, the explicit midpoint rule (two passes, no parameters of its own), is
 registered at test time and nothing else is touched: config validation, the stack, the pass and
 FLOP counts, the CLI choices and the conversion to HF all take it from the registry, and the HF
-model runs it once its mirror (a SCHEMES and a STEPS entry) is registered too.
+model runs it once its twin (an ARCHITECTURES entry of hf/modeling_iiet.py, the same step text)
+is registered too.
 """
 
 import pytest
 import torch
 
 from megatron_iiet.distributed import spawn_local
-from megatron_iiet.hf.configuration_iiet import SCHEMES, IIETConfig, Scheme
-from megatron_iiet.hf.modeling_iiet import STEPS, IIETForCausalLM, Step
+from megatron_iiet.hf import modeling_iiet
+from megatron_iiet.hf.configuration_iiet import IIETConfig
+from megatron_iiet.hf.modeling_iiet import ARCHITECTURES, IIETForCausalLM
 from megatron_iiet.model.architectures import (REGISTRY, Architecture, architecture_names,
                                                get_architecture, passes_fixed,
                                                register_architecture)
@@ -34,9 +36,6 @@ MIDPOINT = Architecture("midpoint", midpoint_step, passes_fixed(2))
 MIDPOINT_VARIANT = ("midpoint", "history", None)
 
 
-def hf_midpoint_step(run, x, **_):
-    u = x + (run(x, 0) - x) / 2
-    return x + (run(u, 1) - u)
 
 
 @pytest.fixture
@@ -46,8 +45,9 @@ def midpoint(monkeypatch):
 
 @pytest.fixture
 def midpoint_hf_mirror(monkeypatch):
-    monkeypatch.setitem(SCHEMES, "midpoint", Scheme(passes=lambda iterations: 2))
-    monkeypatch.setitem(STEPS, "midpoint", Step(hf_midpoint_step))
+    # the same step function serves both sides: the two dialects are one
+    monkeypatch.setitem(ARCHITECTURES, "midpoint",
+                        modeling_iiet.Architecture(midpoint_step, modeling_iiet.passes_fixed(2)))
 
 
 def megatron_names(model) -> set[str]:
@@ -174,12 +174,12 @@ def test_the_hf_mirror_agrees_with_the_megatron_registry():
         return set(model.state_dict())
 
     vanilla = hf_names("vanilla", "history")
-    assert set(SCHEMES) == set(REGISTRY) == set(STEPS)
+    assert set(ARCHITECTURES) == set(REGISTRY)
     for key, architecture in REGISTRY.items():
         formulation = architecture.formulation or "history"
-        scheme = SCHEMES[key]
-        assert [scheme.passes(r) for r in range(5)] == [architecture.passes(r) for r in range(5)]
-        assert scheme.uses_history == architecture.uses_history, key
+        twin = ARCHITECTURES[key]
+        assert [twin.passes(r) for r in range(5)] == [architecture.passes(r) for r in range(5)]
+        assert twin.uses_history == architecture.uses_history, key
         declared = {theirs for _, theirs in declared_names(architecture)}
         assert hf_names(architecture.name, formulation) - vanilla == declared, key
         its = [3, 0, 1, 2] if architecture.iterates else None
