@@ -23,9 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_iiet.distributed import spawn_local  # noqa: E402
+from megatron_iiet.distributed import spawn_local
 
 
 def measure(out: str, rounds: int, preset: str) -> dict:

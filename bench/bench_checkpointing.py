@@ -23,15 +23,12 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_iiet.distributed import spawn_local  # noqa: E402
-from megatron_iiet.model.config import ITERATION_CHECKPOINTING  # noqa: E402
-from megatron_iiet.model.ode_step import KEEP_TAIL_MODE  # noqa: E402
+from megatron_iiet.distributed import spawn_local
+from megatron_iiet.model.config import ITERATION_CHECKPOINTING
+from megatron_iiet.model.ode_step import KEEP_TAIL_MODE
 
 ARCHITECTURES = {"vanilla": dict(architecture="vanilla"), "iiet r=3": dict(architecture="iiet"),
                  "pcformer_rk2": dict(architecture="pcformer_rk2")}

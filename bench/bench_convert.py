@@ -21,9 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
 
 def write_checkpoint(root: str, preset: str) -> None:
     """Inside the spawned ranks: an IIET model of `preset` saved by CheckpointManager."""

@@ -21,15 +21,11 @@ under the pass ratio. fp32 on CPU; the numbers go into docs/benchmarks.md under 
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from megatron_iiet.hf import IIETConfig, IIETForCausalLM  # noqa: E402
+from megatron_iiet.hf import IIETConfig, IIETForCausalLM
 
 
 def build(args, layers, **arch):

@@ -18,8 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 
 def passes(config) -> int:
     """Block passes per token, from the exported model's own config (the same architecture table

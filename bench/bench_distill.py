@@ -25,8 +25,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 ROWS = ["plain", "iiet", "iiet+pcformer", "offline top-k"]
 
 

@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def requests(data_dir: Path, task_name: str, n_ll: int, n_gen: int, gen_tokens: int):

@@ -25,16 +25,13 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_iiet.model.architectures import StepInputs, get_architecture  # noqa: E402
-from megatron_iiet.model.history import History, LayerHistoryParams  # noqa: E402
+from megatron_iiet.model.architectures import StepInputs, get_architecture
+from megatron_iiet.model.history import History, LayerHistoryParams
 
 H200_HBM_BYTES_PER_S = 4.8e12
 H200_BF16_DENSE_FLOPS = 989e12

@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def timed(fn, repeat: int = 5) -> float:

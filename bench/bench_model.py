@@ -15,14 +15,11 @@ import resource
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_iiet.distributed import spawn_local  # noqa: E402
-from megatron_iiet.model.config import ITERATION_CHECKPOINTING  # noqa: E402
+from megatron_iiet.distributed import spawn_local
+from megatron_iiet.model.config import ITERATION_CHECKPOINTING
 
 CONFIGS = [
     # label, overrides

@@ -47,7 +47,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 
 def book_documents(shared: Path) -> list[str]:
@@ -184,7 +183,7 @@ def megatron_tool(source: str, tokenizer: str, prefix: str, notes: list[str]) ->
 
     tool, root = resolve_megatron_lm(os.environ["IIET_BENCH_MEGATRON_LM"])
     workers = int(os.environ.get("IIET_BENCH_WORKERS", "1"))
-    if root is not None:
+    if root is not None:  # deliberate: the compared tool runs on its checkout's megatron, not the installed one
         sys.path.insert(0, str(root))
     _megatron_compat(notes)
     sys.argv = megatron_command(tool, source, tokenizer, prefix, workers)

@@ -26,13 +26,10 @@ import collections
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_iiet.distributed import spawn_local  # noqa: E402
+from megatron_iiet.distributed import spawn_local
 
 
 def measure(architectures: list[str], shape: dict, rounds: int) -> dict:

@@ -25,8 +25,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 CONFIGS = [
     ("vanilla", dict(architecture="vanilla")),
     ("iiet r=3", dict(architecture="iiet")),
