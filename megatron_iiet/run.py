@@ -134,6 +134,7 @@ def build_trainer(cfg: TrainConfig, preemption, objective=None,
                   extra_callbacks: Optional[list[Callback]] = None) -> Trainer:
     from megatron.core import parallel_state
 
+    from megatron_iiet.data.prepare import builtin_corpus
     from megatron_iiet.distributed import on_rank0
     from megatron_iiet.eval.callback import task_evaluation
     from megatron_iiet.iiad.distill import build_distillation
@@ -158,7 +159,7 @@ def build_trainer(cfg: TrainConfig, preemption, objective=None,
             print(text, flush=True)
 
     # Everything that can be wrong with the inputs is found before the first step.
-    sources = resolve_sources(cfg, rank)
+    sources = resolve_sources(cfg, builtin_corpus(cfg.data, rank))
     model_config = build_model_config(cfg, padded_vocab_size(sources.tokenizer.vocab_size))
     root = Path(cfg.checkpoint_dir)
     load_path, overwritten, model_only, from_init = on_rank0(

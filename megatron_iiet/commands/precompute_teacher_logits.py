@@ -95,6 +95,7 @@ def run(args) -> int:
     from megatron.core import parallel_state as ps
 
     from megatron_iiet.data.atomic import temp_leftovers, write_bytes_atomic
+    from megatron_iiet.data.prepare import builtin_corpus
     from megatron_iiet.distributed import barrier, initialize, on_rank0
     from megatron_iiet.eval.checkpoint import load_for_inference
     from megatron_iiet.iiad.kl import vocab_parallel_topk
@@ -115,7 +116,7 @@ def run(args) -> int:
         raise OperatorError(f"--config {args.config}: {err}") from None
     initialize(args.tp, args.pp, seed=cfg.seed)
     try:
-        sources = resolve_sources(cfg, dist.get_rank())
+        sources = resolve_sources(cfg, builtin_corpus(cfg.data, dist.get_rank()))
         train_ds, _ = build_datasets(cfg, sources)
     except ValueError as err:
         raise OperatorError(f"--config {args.config}: {err}") from None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from megatron_iiet.data.corpus import BUILTIN_PREFIX, PYTHON_STDLIB
 from megatron_iiet.data.preprocess import PreprocessConfig, run_preprocess
@@ -49,3 +50,24 @@ def prepare_builtin_corpus(
         PreprocessConfig(inputs=(corpus,), tokenizer=str(model_path), output_prefix=prefix, workers=workers, progress=progress)
     )
     return PreparedData(str(model_path), str(tokenizer_dir), prefix, info["fingerprint"], summary.documents, summary.tokens)
+
+
+def builtin_corpus(data, rank: int) -> Optional[tuple[str, str]]:
+    """(tokenizer model, data prefix) of the built-in corpus for a run whose ``data`` section
+    names no training data (None when it names some): rank 0 prepares it on first use, every
+    rank then reads where it went. Called by the entry points (pretrain_iiet.py through
+    megatron_iiet/run.py, the teacher-logit precompute), after the process group is up."""
+    from megatron_iiet.distributed import barrier
+    from megatron_iiet.errors import BadInput
+
+    if data.train is not None:
+        return None
+    if data.tokenizer is not None:
+        raise BadInput("data.tokenizer: set data.train too (the built-in corpus brings its own)")
+    marker = Path(data.builtin_dir) / ".prepared"
+    if rank == 0:
+        prepared = prepare_builtin_corpus(data.builtin_dir, vocab_size=data.builtin_vocab_size,
+                                          corpus_size=data.builtin_corpus_size)
+        marker.write_text(prepared.data_prefix)
+    barrier()
+    return str(Path(data.builtin_dir) / "tokenizer" / MODEL_FILE), marker.read_text()

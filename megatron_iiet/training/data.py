@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from megatron_iiet.data.blend import validate_blend
 from megatron_iiet.data.tokenizer import Tokenizer
-from megatron_iiet.distributed import barrier, on_rank0
+from megatron_iiet.distributed import on_rank0
 from megatron_iiet.errors import BadInput
 from megatron_iiet.training.config import TrainConfig
 from megatron_iiet.training.signals import ignore_preemption_signals
@@ -36,8 +36,10 @@ class DataSources:
     valid_blend: Optional[list[tuple[float, str]]]
 
 
-def resolve_sources(cfg: TrainConfig, rank: int = 0) -> DataSources:
-    """The tokenizer and blends a config names; the built-in corpus when it names none.
+def resolve_sources(cfg: TrainConfig, builtin: Optional[tuple[str, str]] = None) -> DataSources:
+    """The tokenizer and blends a config names; ``builtin`` (tokenizer, data prefix) stands in
+    for data.train and data.tokenizer when the config names none: the built-in corpus, which the
+    entry points prepare (``megatron_iiet.data.prepare.builtin_corpus``), not this module.
 
     Everything is checked here, before any model is built: paths, intact indexes, that every
     dataset was made with the configured tokenizer (fingerprints), its recorded checksums (unless
@@ -45,18 +47,10 @@ def resolve_sources(cfg: TrainConfig, rank: int = 0) -> DataSources:
     """
     data = cfg.data
     if data.train is None:
-        from megatron_iiet.data.prepare import prepare_builtin_corpus
-
-        if data.tokenizer is not None:
-            raise BadInput("data.tokenizer: set data.train too (the built-in corpus brings its own)")
-        marker = Path(data.builtin_dir) / ".prepared"
-        if rank == 0:
-            prepared = prepare_builtin_corpus(data.builtin_dir, vocab_size=data.builtin_vocab_size,
-                                              corpus_size=data.builtin_corpus_size)
-            marker.write_text(prepared.data_prefix)
-        barrier()
-        tokenizer_path = str(Path(data.builtin_dir) / "tokenizer" / "tokenizer.model")
-        train_spec: object = marker.read_text()
+        if builtin is None:
+            raise BadInput("data.train: not set, and no built-in corpus was prepared "
+                           "(pretrain_iiet.py prepares it when data.train is unset)")
+        tokenizer_path, train_spec = builtin
     else:
         if data.tokenizer is None:
             raise BadInput("data.tokenizer: required when data.train is set")
