@@ -8,7 +8,7 @@ optimizer starts fresh. Equal tokens with every run of the cell; FLOPs: 3/4 of v
 1/4 of IIET's. Its metrics.jsonl is read like any run's (held-out validation every
 eval.interval steps).
 
-    python examples/two_stage.py CELL VANILLA_RUN [--dry-run]
+    python examples/two_stage.py CELL VANILLA_RUN [--dry-run | --collect]
     # e.g. python examples/two_stage.py xs_20tpp vanilla_xs_7.26M_lrbest_s1
 """
 
@@ -26,32 +26,90 @@ sys.path.insert(0, str(REPO))
 from megatron_iiet.errors import OperatorError  # noqa: E402
 
 
-def second_stage_command(cell: str, vanilla_name: str) -> tuple[list[str], Path]:
-    """(the pretrain_iiet.py command of the second stage, its run folder)."""
+def cell_plan(cell: str):
     from megatron_iiet.sweep.plan import plan_sweep
-    from megatron_iiet.sweep.runner import _command, run_dir, run_status, saved_lr
+
+    return plan_sweep(REPO / "examples" / "sweeps" / "trained" / f"{cell}.yaml", 1.0)
+
+
+def finished_run(plan, name: str, architecture: str):
+    """The plan's run ``name`` of ``architecture``, finished here (its checkpoints are needed)."""
+    from megatron_iiet.sweep.runner import run_status
+
+    names = {r.name: r for r in plan.runs}
+    if name not in names or names[name].architecture != architecture:
+        raise OperatorError(f"{name}: not a {architecture} run of {plan.spec.name} "
+                            f"({', '.join(n for n in names if n.startswith(architecture))})")
+    if run_status(plan, names[name]) != "finished":
+        raise OperatorError(f"{name}: not finished here (its checkpoints are needed)")
+    return names[name]
+
+
+def variant_command(plan, base, folder: Path, lr: float, overrides: dict) -> list[str]:
+    """pretrain_iiet.py command of ``base`` (a run of the plan) renamed to ``folder``, with
+    ``overrides`` on top."""
+    from megatron_iiet.sweep.runner import _command
+
+    overrides = {**base.overrides, "logging.dir": str(folder), **overrides}
+    return _command(plan, dataclasses.replace(base, name=folder.name, overrides=overrides), lr, 1)
+
+
+def second_stage_command(cell: str, vanilla_name: str) -> tuple[list[str], Path, dict]:
+    """(the pretrain_iiet.py command of the second stage, its run folder, what its results
+    record besides the curves)."""
+    from megatron_iiet.sweep.runner import run_dir, saved_lr
     from megatron_iiet.training.checkpoint_index import checkpoint_name, defect
 
-    plan = plan_sweep(REPO / "examples" / "sweeps" / "trained" / f"{cell}.yaml", 1.0)
-    names = {r.name: r for r in plan.runs}
-    if vanilla_name not in names or names[vanilla_name].architecture != "vanilla":
-        raise OperatorError(f"{vanilla_name}: not a vanilla run of {cell} "
-                            f"({', '.join(n for n in names if n.startswith('vanilla'))})")
-    vanilla = names[vanilla_name]
-    if run_status(plan, vanilla) != "finished":
-        raise OperatorError(f"{vanilla_name}: not finished here (its checkpoints are needed)")
+    plan = cell_plan(cell)
+    vanilla = finished_run(plan, vanilla_name, "vanilla")
     quarter = 3 * (vanilla.train_steps // 4)
     start = run_dir(plan, vanilla) / "checkpoints" / checkpoint_name(quarter)
     if not start.is_dir() or defect(start) is not None:
         raise OperatorError(f"{start}: missing or incomplete (a run started before the sweep's "
                             "checkpoint.keep_last 5 kept only its last checkpoint)")
-    lr = saved_lr(plan, vanilla)
     iiet = next(r for r in plan.runs if r.architecture == "iiet")  # the IIET settings of the cell
     folder = Path(plan.spec.output) / "runs" / f"two_stage_iiet_from_{vanilla_name}"
-    overrides = {**iiet.overrides, "seed": vanilla.overrides["seed"], "logging.dir": str(folder),
-                 "checkpoint.init_from": str(start), "checkpoint.init_from_position": True}
-    second = dataclasses.replace(iiet, name=folder.name, overrides=overrides)
-    return _command(plan, second, lr, 1), folder
+    lr, seed = saved_lr(plan, vanilla), vanilla.overrides["seed"]
+    share = quarter / vanilla.train_steps  # of the tokens trained as vanilla
+    info = {"first_stage": vanilla_name, "switch_step": quarter, "train_steps": vanilla.train_steps,
+            "lr": lr, "seed": seed, "tokens": vanilla.tokens,
+            "flops": vanilla.tokens * (share * vanilla.flops_per_token
+                                       + (1 - share) * iiet.flops_per_token)}
+    return variant_command(plan, iiet, folder, lr, {
+        "seed": seed, "checkpoint.init_from": str(start),
+        "checkpoint.init_from_position": True}), folder, info
+
+
+def collect(cell: str, folder: Path, info: dict) -> Path:
+    """A finished variant run's summary (``info`` plus its curves) as
+    results/trained/CELL/<run folder>.json: small, committed, read by docs/scaling.md."""
+    import json
+
+    from megatron_iiet.data.atomic import write_bytes_atomic
+
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()
+               if line.strip()]
+    valid = [(r["step"], r["loss"]) for r in records if r.get("kind") == "valid"]
+    ends = [r for r in records if r.get("kind") == "end"]
+    if not valid or not ends or not ends[-1].get("finished"):
+        raise OperatorError(f"{folder}: not finished (no end record, or no validation)")
+    summary = {"name": folder.name, **info, "valid_loss": valid[-1][1], "valid_curve": valid,
+               "train_curve": [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"],
+               "finished": True}
+    out = REPO / "results" / "trained" / cell / f"{folder.name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(out, (json.dumps(summary, indent=1) + "\n").encode())
+    print(f"{out}: held-out {summary['valid_loss']:.4f}")
+    return out
+
+
+def launch(cmd: list[str], folder: Path, dry_run: bool) -> int:
+    if dry_run:
+        print(" ".join(cmd))
+        return 0
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "launch.log", "a") as log:
+        return subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
 
 
 def main(argv: list[str]) -> int:
@@ -59,19 +117,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("cell")
     parser.add_argument("vanilla_run")
     parser.add_argument("--dry-run", action="store_true", help="print the command")
+    parser.add_argument("--collect", action="store_true",
+                        help="summarise the finished run into results/trained/CELL/")
     args = parser.parse_args(argv)
     try:
-        cmd, folder = second_stage_command(args.cell, args.vanilla_run)
+        cmd, folder, info = second_stage_command(args.cell, args.vanilla_run)
+        if args.collect:
+            collect(args.cell, folder, {**info, "command": cmd})
+            return 0
     except OperatorError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if args.dry_run:
-        print(" ".join(cmd))
-        return 0
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "launch.log", "a") as log:
-        return subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
-
+    return launch(cmd, folder, args.dry_run)
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
