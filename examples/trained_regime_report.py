@@ -14,11 +14,9 @@ import statistics
 import sys
 from pathlib import Path
 
+from megatron_iiet.sweep.curves import at_equal_x, plateau, unigram_entropy
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from megatron_iiet.sweep.curves import at_equal_x, plateau, unigram_entropy  # noqa: E402
-
 RESULTS = REPO / "results" / "trained"
 TRAIN_DATA = REPO / "outputs" / "cpu_compare" / "data" / "gutenberg_train_long"
 ARCHS = ("vanilla", "pcformer_rk2", "iiet")

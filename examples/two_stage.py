@@ -20,10 +20,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from megatron_iiet.errors import OperatorError
 
-from megatron_iiet.errors import OperatorError  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def cell_plan(cell: str):

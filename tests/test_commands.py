@@ -70,7 +70,7 @@ def test_no_script_edits_sys_path():
     """The package is installed (editable): a script that puts the checkout first on sys.path
     could import another tree's megatron_iiet than the one installed."""
     found = set()
-    for folder in ("tools", "bench", "megatron_iiet/commands"):
+    for folder in ("tools", "bench", "examples", "megatron_iiet/commands"):
         for path in sorted((REPO / folder).glob("*.py")):
             for line in path.read_text().splitlines():
                 if re.search(r"\bsys\.path\.(insert|append)\(", line):
