@@ -12,8 +12,8 @@ siblings configuration_iiet.py and cache_iiet.py, which `save_pretrained` copies
   because during training each pass attends to the keys/values of its own pass.
 * Per-token cost follows the passes: a decode step's work outside them is O(1) kernels per pass
   and per layer. The stores grow in place (`IIETCacheLayer`: no copy of the past per pass), the
-  history keeps one partial sum per layer (`HistoryStates`: one fused multiply-add per pop /
-  refine, not one per earlier state), and RoPE rows and the mask are set up once per forward.
+  history keeps one partial sum per layer (`LayerHistory`: one fused multiply-add per pop /
+  finish, not one per earlier state), and RoPE rows and the mask are set up once per forward.
 
 State-dict names follow the authors' LLaMA-style release; the full list is in docs/hf.md.
 """
