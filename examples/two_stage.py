@@ -53,7 +53,8 @@ def variant_command(plan, base, folder: Path, lr: float, overrides: dict) -> lis
     return _command(plan, dataclasses.replace(base, name=folder.name, overrides=overrides), lr, 1)
 
 
-def second_stage_command(cell: str, vanilla_name: str) -> tuple[list[str], Path, dict]:
+def second_stage_command(cell: str, vanilla_name: str,
+                         need_start: bool = True) -> tuple[list[str], Path, dict]:
     """(the pretrain_iiet.py command of the second stage, its run folder, what its results
     record besides the curves)."""
     from megatron_iiet.sweep.runner import run_dir, saved_lr
@@ -63,7 +64,7 @@ def second_stage_command(cell: str, vanilla_name: str) -> tuple[list[str], Path,
     vanilla = finished_run(plan, vanilla_name, "vanilla")
     quarter = 3 * (vanilla.train_steps // 4)
     start = run_dir(plan, vanilla) / "checkpoints" / checkpoint_name(quarter)
-    if not start.is_dir() or defect(start) is not None:
+    if need_start and (not start.is_dir() or defect(start) is not None):
         raise OperatorError(f"{start}: missing or incomplete (a run started before the sweep's "
                             "checkpoint.keep_last 5 kept only its last checkpoint)")
     iiet = next(r for r in plan.runs if r.architecture == "iiet")  # the IIET settings of the cell
@@ -85,13 +86,14 @@ def collect(cell: str, folder: Path, info: dict) -> Path:
     import json
 
     from megatron_iiet.data.atomic import write_bytes_atomic
+    from megatron_iiet.sweep.runner import _records  # skips a line cut by a kill
 
-    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()
-               if line.strip()]
+    records = _records(folder)
     valid = [(r["step"], r["loss"]) for r in records if r.get("kind") == "valid"]
-    ends = [r for r in records if r.get("kind") == "end"]
-    if not valid or not ends or not ends[-1].get("finished"):
-        raise OperatorError(f"{folder}: not finished (no end record, or no validation)")
+    if not any(r.get("kind") == "end" and r.get("finished") and r.get("step") == info["train_steps"]
+               for r in records) or not valid or valid[-1][0] != info["train_steps"]:
+        raise OperatorError(f"{folder}: not finished (no end record at step {info['train_steps']}, "
+                            "or no validation there)")
     summary = {"name": folder.name, **info, "valid_loss": valid[-1][1], "valid_curve": valid,
                "train_curve": [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"],
                "finished": True}
@@ -120,7 +122,8 @@ def main(argv: list[str]) -> int:
                         help="summarise the finished run into results/trained/CELL/")
     args = parser.parse_args(argv)
     try:
-        cmd, folder, info = second_stage_command(args.cell, args.vanilla_run)
+        cmd, folder, info = second_stage_command(args.cell, args.vanilla_run,
+                                                 need_start=not args.collect)
         if args.collect:
             collect(args.cell, folder, {**info, "command": cmd})
             return 0
@@ -128,6 +131,7 @@ def main(argv: list[str]) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return launch(cmd, folder, args.dry_run)
+
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -177,7 +177,10 @@ def free_port() -> int:
     import random
 
     low, _ = _ephemeral_range()
-    candidates = random.Random().sample(range(20000, max(low, 20001)), k=min(64, max(low - 20000, 1)))
+    below = range(20000, low)
+    # A kernel range that starts low (some clusters use 1024-65535) leaves no room below it:
+    # then the kernel's own choice, as before.
+    candidates = random.Random().sample(below, k=64) if len(below) >= 1000 else []
     for port in candidates:
         with socket.socket() as s:
             try:
@@ -229,12 +232,17 @@ def spawn_local(
         try:
             return _spawn_once(fn, world_size, tensor_parallel, pipeline_parallel, timeout_s,
                                threads_per_rank, kwargs)
-        except RuntimeError as err:
-            # Another process took the port between free_port and the rendezvous; no rank got
-            # past initialize, so fn never ran: safe to try again on a new port.
-            if "EADDRINUSE" not in str(err) or attempt == 2:
+        except _PortTaken:
+            if attempt == 2:
                 raise
     raise AssertionError("unreachable")
+
+
+class _PortTaken(RuntimeError):
+    """Rank 0 could not listen on the rendezvous port: another process took it after free_port.
+    fn never ran on rank 0, and the other ranks are stopped at once (they would wait for a store
+    that is not there, or, should the port's holder be another job's store, join that one), so
+    the job can start again on another port."""
 
 
 def _spawn_once(fn, world_size, tensor_parallel, pipeline_parallel, timeout_s, threads_per_rank,
@@ -281,6 +289,15 @@ def _spawn_once(fn, world_size, tensor_parallel, pipeline_parallel, timeout_s, t
             except EOFError:  # died without a result
                 pass
             end.close()
+            status, value = received.get(rank, (None, None))
+            if rank == 0 and status == "error" and "EADDRINUSE" in value:
+                for p in procs:
+                    p.kill()
+                for p in procs:
+                    p.join()
+                for other in open_ends:
+                    other.close()
+                raise _PortTaken(value)
     for end in open_ends:
         end.close()
     for p in procs:

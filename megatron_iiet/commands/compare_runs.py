@@ -134,3 +134,7 @@ def main(argv=None) -> int:
     if args.plot:
         plot(runs, Path(args.plot))
     return 0
+
+
+if __name__ == "__main__":  # python -m megatron_iiet.commands.compare_runs
+    raise SystemExit(main())

@@ -117,3 +117,7 @@ def main(argv=None) -> int:
     except OperatorError as err:  # ConversionError, or a tokenizer/storage fault met on the way
         fail(err)
     return 0
+
+
+if __name__ == "__main__":  # python -m megatron_iiet.commands.convert_checkpoint
+    raise SystemExit(main())

@@ -177,3 +177,7 @@ def main(argv=None) -> int:
     print(Path(md_path).read_text().split("\n## ")[0])
     print(f"wrote {json_path} and {md_path}")
     return 0
+
+
+if __name__ == "__main__":  # python -m megatron_iiet.commands.evaluate
+    raise SystemExit(main())

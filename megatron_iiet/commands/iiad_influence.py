@@ -169,3 +169,7 @@ def run(args) -> int:
     print(markdown(report))
     print(f"wrote {args.output}/influence.json, influence.md, influence.png")
     return 0
+
+
+if __name__ == "__main__":  # python -m megatron_iiet.commands.iiad_influence
+    raise SystemExit(main())

@@ -130,3 +130,7 @@ def run(args) -> int:
     print(text)
     print(f"\nwrote {args.output} (run it: python pretrain_iiet.py --config {args.output})")
     return 0
+
+
+if __name__ == "__main__":  # python -m megatron_iiet.commands.iiad_plan
+    raise SystemExit(main())

@@ -59,3 +59,7 @@ def main(argv=None):
         fail(err)
     print(f"wrote {out}")
     return 0
+
+
+if __name__ == "__main__":  # python -m megatron_iiet.commands.import_release
+    raise SystemExit(main())

@@ -26,3 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as error:
         fail(error)
     print(f"merged {len(args.input)} datasets into {args.output_prefix}: {meta['documents']:,} documents, {meta['tokens']:,} tokens")
+
+
+if __name__ == "__main__":  # python -m megatron_iiet.commands.merge_datasets
+    raise SystemExit(main())

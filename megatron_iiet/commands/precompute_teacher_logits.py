@@ -191,3 +191,7 @@ def run(args) -> int:
               f"({samples} samples x {cfg.data.seq_length} tokens, top-{args.top_k} {args.dtype})"
               + ("" if done == index["num_shards"] else "; the other slices write the rest"))
     return 0
+
+
+if __name__ == "__main__":  # python -m megatron_iiet.commands.precompute_teacher_logits
+    raise SystemExit(main())

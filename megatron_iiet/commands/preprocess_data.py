@@ -90,3 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  shards resumed      {summary.resumed_shards}")
     print(f"  time                {summary.seconds:.1f} s ({rate:.1f} MiB/s of text this run)")
     print(f"  outputs             {', '.join(summary.outputs) if len(summary.outputs) <= 4 else f'{len(summary.outputs)} shards: {summary.outputs[0]} ...'}")
+
+
+if __name__ == "__main__":  # python -m megatron_iiet.commands.preprocess_data
+    raise SystemExit(main())

@@ -197,3 +197,7 @@ def _loss_columns(rows) -> dict[str, str]:
     """Column title -> result key: the in-domain validation loss, then each extra set."""
     extra = sorted({k for r in rows for k in r if k.startswith("valid_loss_")})
     return {"valid": "valid_loss", **{k[len("valid_loss_"):]: k for k in extra}}
+
+
+if __name__ == "__main__":  # python -m megatron_iiet.commands.sweep
+    raise SystemExit(main())

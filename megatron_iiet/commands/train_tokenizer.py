@@ -60,3 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  sentencepiece model: {info['model']}")
     print(f"  HF tokenizer dir:    {info['hf_dir']}")
     print(f"  fingerprint:         {info['fingerprint']}")
+
+
+if __name__ == "__main__":  # python -m megatron_iiet.commands.train_tokenizer
+    raise SystemExit(main())

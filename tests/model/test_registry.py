@@ -36,8 +36,6 @@ MIDPOINT = Architecture("midpoint", midpoint_step, passes_fixed(2))
 MIDPOINT_VARIANT = ("midpoint", "history", None)
 
 
-
-
 @pytest.fixture
 def midpoint(monkeypatch):
     monkeypatch.setitem(REGISTRY, MIDPOINT.key, MIDPOINT)
