@@ -11,11 +11,10 @@ PCformer-RK2 run of the same cell (its newest checkpoint). docs/scaling.md has t
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from two_stage import cell_plan, collect, finished_run, launch, variant_command
+from two_stage import cell_plan, finished_run, run_variant, variant_command, variant_parser
 
 from megatron_iiet.errors import OperatorError
 
@@ -49,25 +48,13 @@ def distill_command(cell: str, teacher_name: str, lr: float,
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("cell")
+    parser = variant_parser(__doc__)
     parser.add_argument("teacher_run")
     parser.add_argument("--lr", type=float, required=True)
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--dry-run", action="store_true", help="print the command")
-    parser.add_argument("--collect", action="store_true",
-                        help="summarise the finished run into results/trained/CELL/")
     args = parser.parse_args(argv)
-    try:
-        cmd, folder, info = distill_command(args.cell, args.teacher_run, args.lr, args.seed)
-        if args.collect:
-            collect(args.cell, folder, {**info, "command": cmd})
-            return 0
-    except OperatorError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return launch(cmd, folder, args.dry_run)
-
+    return run_variant(args, lambda: distill_command(args.cell, args.teacher_run, args.lr,
+                                                     args.seed))
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

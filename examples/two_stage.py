@@ -113,17 +113,21 @@ def launch(cmd: list[str], folder: Path, dry_run: bool) -> int:
         return subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def variant_parser(doc: str) -> argparse.ArgumentParser:
+    """The options every variant script takes: the cell, then its own, --dry-run, --collect."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("cell")
-    parser.add_argument("vanilla_run")
     parser.add_argument("--dry-run", action="store_true", help="print the command")
     parser.add_argument("--collect", action="store_true",
                         help="summarise the finished run into results/trained/CELL/")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def run_variant(args: argparse.Namespace, build) -> int:
+    """Launch, print (--dry-run) or collect (--collect) the variant ``build()`` describes as
+    (command, run folder, what its results record); an operator's mistake is one line, exit 2."""
     try:
-        cmd, folder, info = second_stage_command(args.cell, args.vanilla_run,
-                                                 need_start=not args.collect)
+        cmd, folder, info = build()
         if args.collect:
             collect(args.cell, folder, {**info, "command": cmd})
             return 0
@@ -132,6 +136,13 @@ def main(argv: list[str]) -> int:
         return 2
     return launch(cmd, folder, args.dry_run)
 
+
+def main(argv: list[str]) -> int:
+    parser = variant_parser(__doc__)
+    parser.add_argument("vanilla_run")
+    args = parser.parse_args(argv)
+    return run_variant(args, lambda: second_stage_command(args.cell, args.vanilla_run,
+                                                          need_start=not args.collect))
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
