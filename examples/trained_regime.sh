@@ -4,12 +4,13 @@
 # (architecture, size, budget) with its own LR grid and then 3 seeds at the best LR.
 #
 #   usage: bash examples/trained_regime.sh prepare            # data only (a few minutes)
-#          bash examples/trained_regime.sh run CELL [ORDER]   # one cell's grid + seeds, resumable
+#          [JOBS=2] bash examples/trained_regime.sh run CELL [ORDER]  # a cell's grid + seeds, resumable
 #          bash examples/trained_regime.sh collect CELL       # results.json (+ WikiText-2 loss)
 #
 # CELL is a sweep file's name under examples/sweeps/trained/ (e.g. xs_20tpp). ORDER lists phase-1
-# task indices in the order to run them (default: the middle LR of every architecture first, so
-# an interrupted session still leaves one finished run per architecture).
+# task indices (0-based, `sweep.py launch --dry-run` order) to run first, e.g. the middle LR of
+# every architecture, so that an interrupted session still leaves one finished run per
+# architecture; without it the sweep's own order. JOBS runs side by side, one thread each.
 #
 # Data: the 21 training books of the CPU ladder plus the 16 of gutenberg-extra (37 books, ~9.6M
 # tokens with the ladder's 4096-piece tokenizer); in-domain validation on the ladder's held-out
@@ -59,10 +60,11 @@ case "${1:-}" in
     [ -s "$OUT/data/gutenberg_train_long.bin" ] || prepare
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
     ORDER=${3:-}
+    JOBS=${JOBS:-1}
     if [ -n "$ORDER" ]; then
-      for t in $ORDER; do "$PY" tools/sweep.py launch "$SWEEP" --phase 1 --task "$t"; done
+      printf '%s\n' $ORDER | xargs -P "$JOBS" -I{} "$PY" tools/sweep.py launch "$SWEEP" --phase 1 --task {}
     fi
-    "$PY" tools/sweep.py launch "$SWEEP"   # the rest of the grid, then the seeds at the best LR
+    "$PY" tools/sweep.py launch "$SWEEP" --jobs "$JOBS"  # the rest of the grid, then the seeds
     ;;
   collect)
     CELL=${2:?collect needs a CELL}
