@@ -135,3 +135,23 @@ def test_the_example_sweeps_plan(name, runs):
         budgets = {a: sorted(r.tokens for r in plan.runs if r.size == size and r.architecture == a)
                    for a in archs}
         assert len({tuple(set(b)) for b in budgets.values()}) == 1, size
+
+
+@pytest.mark.parametrize("cell", sorted(p.stem for p in (REPO / "examples" / "sweeps" / "trained")
+                                        .glob("*.yaml")))
+def test_the_trained_regime_cells_plan(cell):
+    """Issue 31's cells keep what the issue asks of them: >= 3k optimizer steps, equal tokens for
+    every architecture, the tokens per (vanilla) parameter their name says, every architecture's
+    LR tuned on a grid of its own."""
+    from megatron_iiet.sweep.plan import plan_sweep
+
+    plan = plan_sweep(REPO / "examples" / "sweeps" / "trained" / f"{cell}.yaml",
+                      flops_per_second=1e11)
+    assert {r.architecture for r in plan.runs} == {"vanilla", "pcformer_rk2", "iiet"}
+    assert min(r.train_steps for r in plan.runs) >= 3000
+    assert len({r.tokens for r in plan.runs}) == 1
+    vanilla = next(r for r in plan.runs if r.architecture == "vanilla")
+    ratio = int(cell.split("_")[1].removesuffix("tpp"))
+    assert vanilla.tokens / vanilla.params == pytest.approx(ratio, rel=0.01)
+    for arch in ("vanilla", "pcformer_rk2", "iiet"):
+        assert len({r.lr for r in plan.runs if r.architecture == arch and r.grid}) >= 2, arch
