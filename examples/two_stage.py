@@ -46,11 +46,13 @@ def finished_run(plan, name: str, architecture: str):
 
 def variant_command(plan, base, folder: Path, lr: float, overrides: dict) -> list[str]:
     """pretrain_iiet.py command of ``base`` (a run of the plan) renamed to ``folder``, with
-    ``overrides`` on top."""
+    ``overrides`` on top (last, so that they also win over the LR floor the plan sets)."""
+    from megatron_iiet.sweep.plan import as_sets
     from megatron_iiet.sweep.runner import _command
 
-    overrides = {**base.overrides, "logging.dir": str(folder), **overrides}
-    return _command(plan, dataclasses.replace(base, name=folder.name, overrides=overrides), lr, 1)
+    renamed = dataclasses.replace(base, name=folder.name,
+                                  overrides={**base.overrides, "logging.dir": str(folder)})
+    return _command(plan, renamed, lr, 1, extra=tuple(as_sets(overrides)))
 
 
 def second_stage_command(cell: str, vanilla_name: str,

@@ -155,3 +155,27 @@ def test_the_trained_regime_cells_plan(cell):
     assert vanilla.tokens / vanilla.params == pytest.approx(ratio, rel=0.01)
     for arch in ("vanilla", "pcformer_rk2", "iiet"):
         assert len({r.lr for r in plan.runs if r.architecture == arch and r.grid}) >= 2, arch
+
+
+def test_a_recipe_ablation_puts_back_exactly_one_part_of_ours():
+    """examples/recipe_ablation.py: the release run's command with one part of our recipe put
+    back; its overrides come last, so they win over the LR floor the plan sets (min_lr_ratio 0)."""
+    import subprocess
+    import sys
+
+    def last_sets(part):
+        out = subprocess.run([sys.executable, "examples/recipe_ablation.py", "xs_20tpp_release",
+                              "iiet", "--lr", "2e-3", "--ours", part, "--dry-run"], cwd=REPO,
+                             capture_output=True, text=True, check=True).stdout.split()
+        sets = [out[i + 1] for i, a in enumerate(out) if a == "--set"]
+        return dict(s.split("=", 1) for s in sets)  # later --set wins, as in pretrain_iiet.py
+
+    release = last_sets("beta2")
+    assert release["optimizer.beta2"] == "0.95" and release["optimizer.weight_decay"] == "0.0"
+    assert release["schedule.decay_style"] == "linear" and release["optimizer.min_lr"] == "0.0"
+    schedule = last_sets("schedule")
+    assert schedule["schedule.decay_style"] == "cosine"
+    assert float(schedule["optimizer.min_lr"]) == pytest.approx(2e-4)
+    assert schedule["optimizer.beta2"] == "0.999"
+    assert last_sets("decay")["optimizer.weight_decay"] == "0.1"
+    assert release["logging.dir"].endswith("runs/ours_beta2_iiet_lr0.002_s1234")

@@ -1,0 +1,56 @@
+"""Issue 31.2, which part of the release's recipe moves a model: a run of the release-recipe cell
+(`examples/sweeps/trained/*_release.yaml`) with one of the recipe's three changes put back to
+ours, everything else (architecture, LR, seed, data order, tokens) as in that run, so that the
+difference to it is paired. The changes:
+
+    beta2      AdamW beta2 0.999 (ours 0.95)
+    decay      weight decay 0 (ours 0.1)
+    schedule   linear decay to 0 (ours cosine to a floor of 10% of the LR)
+
+    python examples/recipe_ablation.py CELL ARCH --lr LR --ours PART [--seed S] [--dry-run | --collect]
+    # e.g. python examples/recipe_ablation.py xs_20tpp_release iiet --lr 2e-3 --ours beta2
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from two_stage import cell_plan, run_variant, variant_command, variant_parser
+
+from megatron_iiet.errors import OperatorError
+
+OURS = {  # examples/cpu_compare_iiet.yaml and the ordinary cells' min_lr_ratio
+    "beta2": lambda lr: {"optimizer.beta2": 0.95},
+    "decay": lambda lr: {"optimizer.weight_decay": 0.1},
+    "schedule": lambda lr: {"schedule.decay_style": "cosine", "optimizer.min_lr": 0.1 * lr},
+}
+
+
+def ablation_command(cell: str, architecture: str, lr: float, part: str,
+                     seed: int) -> tuple[list[str], Path, dict]:
+    plan = cell_plan(cell)
+    run = next((r for r in plan.runs if r.architecture == architecture and r.grid), None)
+    if run is None:
+        raise OperatorError(f"{cell}: has no {architecture} run "
+                            f"({', '.join(sorted({r.architecture for r in plan.runs}))})")
+    folder = Path(plan.spec.output) / "runs" / f"ours_{part}_{architecture}_lr{lr:g}_s{seed}"
+    info = {"architecture": architecture, "ours": part, "lr": lr, "seed": seed,
+            "train_steps": run.train_steps, "tokens": run.tokens, "flops": run.total_flops}
+    return variant_command(plan, run, folder, lr, {"seed": seed, **OURS[part](lr)}), folder, info
+
+
+def main(argv: list[str]) -> int:
+    parser = variant_parser(__doc__)
+    parser.add_argument("architecture")
+    parser.add_argument("--lr", type=float, required=True)
+    parser.add_argument("--ours", choices=sorted(OURS), required=True,
+                        help="the part of the recipe put back to ours")
+    parser.add_argument("--seed", type=int, default=1234)
+    args = parser.parse_args(argv)
+    return run_variant(args, lambda: ablation_command(args.cell, args.architecture, args.lr,
+                                                      args.ours, args.seed))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
