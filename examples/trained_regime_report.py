@@ -51,6 +51,12 @@ def best_lr(runs: list[dict], arch: str) -> tuple[float, str]:
     return best, "yes" if 0 < lrs.index(best) < len(lrs) - 1 else "no: at its edge"
 
 
+def mean_curve(curves: list[list]) -> list[tuple[float, float]]:
+    """The seeds' mean held-out curve, over the token counts every seed reached."""
+    points = min(len(c) for c in curves)
+    return [(curves[0][i][0], statistics.mean(c[i][1] for c in curves)) for i in range(points)]
+
+
 def report(cell: str, H: float) -> str:
     runs = [r for r in json.loads((RESULTS / cell / "results.json").read_text())
             if r["status"] == "finished"]
@@ -75,9 +81,9 @@ def report(cell: str, H: float) -> str:
         lines.append(f"| {arch} | {lr:.3g} ({bracketed}) | "
                      f"{mean_sd([r['valid_loss'] for r in at_best])} | "
                      f"{mean_sd(wiki) if wiki else '-'} |")
-        first = at_best[0]
-        curves_tokens[arch] = [(t, v) for t, v in first["loss_curve"]]
-        curves_flops[arch] = [(t * first["flops_per_token"], v) for t, v in first["loss_curve"]]
+        curve = mean_curve([r["loss_curve"] for r in at_best])
+        curves_tokens[arch] = curve
+        curves_flops[arch] = [(t * at_best[0]["flops_per_token"], v) for t, v in curve]
     if curves_flops:
         budget = min(c[-1][0] for c in curves_flops.values())
         equal = at_equal_x(curves_flops, budget)
@@ -91,15 +97,27 @@ def _plot(cell: str, by_tokens, by_flops, H: float) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(10, 4), dpi=100)
+    figure = Figure(figsize=(15, 4), dpi=100)
     FigureCanvasAgg(figure)
     for i, (curves, xlabel) in enumerate(((by_tokens, "training tokens"),
                                           (by_flops, "training FLOPs"))):
-        axes = figure.add_subplot(1, 2, i + 1)
+        axes = figure.add_subplot(1, 3, i + 1)
         for arch, points in curves.items():
             axes.plot(*zip(*points), label=arch)
         axes.axhline(H, color="grey", linestyle=":", label="unigram entropy")
-        axes.set(xlabel=xlabel, ylabel="held-out loss", title=f"{cell}, best LR each")
+        axes.set(xlabel=xlabel, ylabel="held-out loss", title=f"{cell}, best LR each (seed mean)")
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=7)
+    if "vanilla" in by_tokens:  # the gaps the curves above are too close to show
+        axes = figure.add_subplot(1, 3, 3)
+        base = dict(by_tokens["vanilla"])
+        axes.axhline(0, color="C0", label="vanilla")
+        for i, (arch, points) in enumerate(by_tokens.items()):
+            gap = [(t, v - base[t]) for t, v in points if t in base]
+            if arch != "vanilla":
+                axes.plot(*zip(*gap), color=f"C{i}", label=f"{arch} - vanilla")
+        axes.set(xlabel="training tokens", ylabel="held-out loss minus vanilla's",
+                 title="the gap at equal tokens", ylim=(-0.25, 0.5))
         axes.grid(alpha=0.3)
         axes.legend(fontsize=7)
     figure.tight_layout()
