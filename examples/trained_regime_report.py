@@ -5,6 +5,7 @@ tokens and at equal FLOPs, and PNG curves (docs/img/trained_CELL_*.png). Prints 
 docs/scaling.md.
 
     python examples/trained_regime_report.py [CELL ...]      # default: every committed cell
+    python examples/trained_regime_report.py --compare CELL_A CELL_B   # paired by seed
 """
 
 from __future__ import annotations
@@ -57,6 +58,27 @@ def mean_curve(curves: list[list]) -> list[tuple[float, float]]:
     return [(curves[0][i][0], statistics.mean(c[i][1] for c in curves)) for i in range(points)]
 
 
+def welch_lines(runs: list[dict]) -> list[str]:
+    """Welch's t-test (scipy) on the held-out losses at each architecture's best LR, for every
+    pair with at least two seeds each: whether a gap is larger than the seeds' spread."""
+    from itertools import combinations
+
+    from scipy.stats import ttest_ind
+
+    at_best = {}
+    for arch in ARCHS:
+        if any(r["architecture"] == arch and r["grid"] for r in runs):
+            lr, _ = best_lr(runs, arch)
+            at_best[arch] = [r["valid_loss"] for r in runs
+                             if r["architecture"] == arch and r["lr"] == lr]
+    tests = []
+    for a, b in combinations([a for a, v in at_best.items() if len(v) >= 2], 2):
+        result = ttest_ind(at_best[a], at_best[b], equal_var=False)
+        gap = statistics.mean(at_best[a]) - statistics.mean(at_best[b])
+        tests.append(f"{a} - {b} {gap:+.3f} (t = {result.statistic:.2f}, p = {result.pvalue:.2f})")
+    return ["", "Welch's t-test at the best LRs: " + "; ".join(tests)] if tests else []
+
+
 def report(cell: str, H: float) -> str:
     runs = [r for r in json.loads((RESULTS / cell / "results.json").read_text())
             if r["status"] == "finished"]
@@ -84,6 +106,7 @@ def report(cell: str, H: float) -> str:
         curve = mean_curve([r["loss_curve"] for r in at_best])
         curves_tokens[arch] = curve
         curves_flops[arch] = [(t * at_best[0]["flops_per_token"], v) for t, v in curve]
+    lines += welch_lines(runs)
     if curves_flops:
         budget = min(c[-1][0] for c in curves_flops.values())
         equal = at_equal_x(curves_flops, budget)
@@ -124,7 +147,48 @@ def _plot(cell: str, by_tokens, by_flops, H: float) -> None:
     figure.savefig(REPO / "docs" / "img" / f"trained_{cell}.png")
 
 
+def compare(cell_a: str, cell_b: str) -> str:
+    """Each architecture at its best LR in two cells of equal tokens (e.g. our recipe and the
+    release's), paired by seed: the same initialisation and data order, so the per-seed
+    difference carries less noise than the two means do (paired t-test, scipy)."""
+    from scipy.stats import ttest_rel
+
+    def best_by_seed(cell):
+        runs = [r for r in json.loads((RESULTS / cell / "results.json").read_text())
+                if r["status"] == "finished"]
+        out = {}
+        for arch in ARCHS:
+            if any(r["architecture"] == arch and r["grid"] for r in runs):
+                lr, _ = best_lr(runs, arch)
+                out[arch] = (lr, {r["seed"]: r["valid_loss"] for r in runs
+                                  if r["architecture"] == arch and r["lr"] == lr})
+        return out
+
+    a, b = best_by_seed(cell_a), best_by_seed(cell_b)
+    lines = [f"### {cell_b} minus {cell_a}, each at its best LR, paired by seed", "",
+             "| architecture | LRs | per seed | mean (paired t-test) |", "|---|---|---|---|"]
+    for arch in ARCHS:
+        if arch not in a or arch not in b:
+            continue
+        seeds = sorted(set(a[arch][1]) & set(b[arch][1]))
+        diffs = [b[arch][1][s] - a[arch][1][s] for s in seeds]
+        test = ""
+        if len(seeds) >= 2:
+            result = ttest_rel([b[arch][1][s] for s in seeds], [a[arch][1][s] for s in seeds])
+            test = f" ± {statistics.stdev(diffs):.3f} (t = {result.statistic:.2f}, p = {result.pvalue:.2f})"
+        lines.append(f"| {arch} | {a[arch][0]:.3g} / {b[arch][0]:.3g} | "
+                     + ", ".join(f"{s}: {d:+.3f}" for s, d in zip(seeds, diffs))
+                     + f" | {statistics.mean(diffs):+.3f}{test} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--compare"]:
+        if len(argv) != 3:
+            print("usage: trained_regime_report.py --compare CELL_A CELL_B", file=sys.stderr)
+            return 2
+        print(compare(argv[1], argv[2]))
+        return 0
     cells = argv or sorted(p.name for p in RESULTS.iterdir() if (p / "results.json").is_file())
     H = entropy()
     print(f"Unigram entropy of the training tokens: {H:.3f} nats (the plateau: within 0.1 of it)\n")
