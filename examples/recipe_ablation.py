@@ -7,12 +7,15 @@ difference to it is paired. The changes:
     decay      weight decay 0 (ours 0.1)
     schedule   linear decay to 0 (ours cosine to a floor of 10% of the LR)
 
-    python examples/recipe_ablation.py CELL ARCH --lr LR --ours PART [--seed S] [--dry-run | --collect]
+    python examples/recipe_ablation.py CELL ARCH --lr LR --ours PART [--seed S] [--set KEY=VALUE]
+                                       [--dry-run | --collect]
     # e.g. python examples/recipe_ablation.py xs_20tpp_release iiet --lr 2e-3 --ours beta2
+    # and, with clipping off: ... --ours beta2 --set optimizer.clip_grad=0
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -27,17 +30,28 @@ OURS = {  # examples/cpu_compare_iiet.yaml and the ordinary cells' min_lr_ratio
 }
 
 
-def ablation_command(cell: str, architecture: str, lr: float, part: str,
-                     seed: int) -> tuple[list[str], Path, dict]:
+def ablation_command(cell: str, architecture: str, lr: float, part: str, seed: int,
+                     also: tuple[str, ...] = ()) -> tuple[list[str], Path, dict]:
     plan = cell_plan(cell)
     run = next((r for r in plan.runs if r.architecture == architecture and r.grid), None)
     if run is None:
         raise OperatorError(f"{cell}: has no {architecture} run "
                             f"({', '.join(sorted({r.architecture for r in plan.runs}))})")
-    folder = Path(plan.spec.output) / "runs" / f"ours_{part}_{architecture}_lr{lr:g}_s{seed}"
-    info = {"architecture": architecture, "ours": part, "lr": lr, "seed": seed,
+    extra = {}
+    for text in also:
+        key, sep, value = text.partition("=")
+        if not sep or not key:
+            raise OperatorError(f"--set {text!r}: expected KEY=VALUE (e.g. optimizer.clip_grad=0)")
+        extra[key] = value
+    # the further overrides are part of the run's name, so that each variant has its own folder
+    suffix = "".join("_" + re.sub(r"[^A-Za-z0-9._-]", "-", f"{k.rsplit('.', 1)[-1]}{v}")
+                     for k, v in extra.items())
+    folder = (Path(plan.spec.output) / "runs"
+              / f"ours_{part}_{architecture}_lr{lr:g}_s{seed}{suffix}")
+    info = {"architecture": architecture, "ours": part, "also": extra, "lr": lr, "seed": seed,
             "train_steps": run.train_steps, "tokens": run.tokens, "flops": run.total_flops}
-    return variant_command(plan, run, folder, lr, {"seed": seed, **OURS[part](lr)}), folder, info
+    overrides = {"seed": seed, **OURS[part](lr), **extra}
+    return variant_command(plan, run, folder, lr, overrides), folder, info
 
 
 def main(argv: list[str]) -> int:
@@ -47,9 +61,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ours", choices=sorted(OURS), required=True,
                         help="the part of the recipe put back to ours")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a further override, e.g. optimizer.clip_grad=0 (in the run's name)")
     args = parser.parse_args(argv)
     return run_variant(args, lambda: ablation_command(args.cell, args.architecture, args.lr,
-                                                      args.ours, args.seed))
+                                                      args.ours, args.seed, tuple(args.set)))
 
 
 if __name__ == "__main__":

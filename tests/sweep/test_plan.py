@@ -163,10 +163,10 @@ def test_a_recipe_ablation_puts_back_exactly_one_part_of_ours():
     import subprocess
     import sys
 
-    def last_sets(part):
+    def last_sets(part, *more):
         out = subprocess.run([sys.executable, "examples/recipe_ablation.py", "xs_20tpp_release",
-                              "iiet", "--lr", "2e-3", "--ours", part, "--dry-run"], cwd=REPO,
-                             capture_output=True, text=True, check=True).stdout.split()
+                              "iiet", "--lr", "2e-3", "--ours", part, *more, "--dry-run"],
+                             cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
         sets = [out[i + 1] for i, a in enumerate(out) if a == "--set"]
         return dict(s.split("=", 1) for s in sets)  # later --set wins, as in pretrain_iiet.py
 
@@ -179,3 +179,6 @@ def test_a_recipe_ablation_puts_back_exactly_one_part_of_ours():
     assert schedule["optimizer.beta2"] == "0.999"
     assert last_sets("decay")["optimizer.weight_decay"] == "0.1"
     assert release["logging.dir"].endswith("runs/ours_beta2_iiet_lr0.002_s1234")
+    unclipped = last_sets("beta2", "--set", "optimizer.clip_grad=0")
+    assert unclipped["optimizer.clip_grad"] == "0" and unclipped["optimizer.beta2"] == "0.95"
+    assert unclipped["logging.dir"].endswith("runs/ours_beta2_iiet_lr0.002_s1234_clip_grad0")
