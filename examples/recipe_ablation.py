@@ -1,11 +1,11 @@
-"""Issue 31.2, which part of the release's recipe moves a model: a run of the release-recipe cell
-(`examples/sweeps/trained/*_release.yaml`) with one of the recipe's three changes put back to
-ours, everything else (architecture, LR, seed, data order, tokens) as in that run, so that the
-difference to it is paired. The changes:
+"""Issue 31.2, which part of the release's recipe moves a model: a run of a release-recipe cell
+(`examples/sweeps/trained/CELL_release.yaml`) with one of the recipe's three changes put back to
+ours, i.e. to what the paired cell CELL.yaml trains with, everything else (architecture, LR,
+seed, data order, tokens) as in that run, so that the difference to it is paired. The parts:
 
-    beta2      AdamW beta2 0.999 (ours 0.95)
-    decay      weight decay 0 (ours 0.1)
-    schedule   linear decay to 0 (ours cosine to a floor of 10% of the LR)
+    beta2      AdamW beta2 (release 0.999, ours 0.95)
+    decay      weight decay (release 0, ours 0.1)
+    schedule   the decay and its floor (release linear to 0, ours cosine to 10% of the LR)
 
     python examples/recipe_ablation.py CELL ARCH --lr LR --ours PART [--seed S] [--set KEY=VALUE]
                                        [--dry-run | --collect]
@@ -23,11 +23,23 @@ from two_stage import cell_plan, run_variant, variant_command, variant_parser
 
 from megatron_iiet.errors import OperatorError
 
-OURS = {  # examples/cpu_compare_iiet.yaml and the ordinary cells' min_lr_ratio
-    "beta2": lambda lr: {"optimizer.beta2": 0.95},
-    "decay": lambda lr: {"optimizer.weight_decay": 0.1},
-    "schedule": lambda lr: {"schedule.decay_style": "cosine", "optimizer.min_lr": 0.1 * lr},
-}
+PARTS = ("beta2", "decay", "schedule")
+
+
+def ours(cell: str, part: str, lr: float) -> dict:
+    """The overrides that put ``part`` back to the recipe of the cell the release cell pairs with
+    (its base config with its `set:`, and its LR floor), read from that cell's sweep file."""
+    from megatron_iiet.sweep.plan import as_sets
+    from megatron_iiet.training.config import load_config
+
+    if not cell.endswith("_release"):
+        raise OperatorError(f"{cell}: not a release-recipe cell (CELL_release.yaml)")
+    plan = cell_plan(cell.removesuffix("_release"))  # a missing one: a one-line BadInput
+    cfg = load_config(str(plan.base_path), as_sets(plan.spec.set), here=False)
+    return {"beta2": {"optimizer.beta2": cfg.optimizer.beta2},
+            "decay": {"optimizer.weight_decay": cfg.optimizer.weight_decay},
+            "schedule": {"schedule.decay_style": cfg.schedule.decay_style,
+                         "optimizer.min_lr": lr * plan.spec.lr.min_lr_ratio}}[part]
 
 
 def ablation_command(cell: str, architecture: str, lr: float, part: str, seed: int,
@@ -50,7 +62,7 @@ def ablation_command(cell: str, architecture: str, lr: float, part: str, seed: i
               / f"ours_{part}_{architecture}_lr{lr:g}_s{seed}{suffix}")
     info = {"architecture": architecture, "ours": part, "also": extra, "lr": lr, "seed": seed,
             "train_steps": run.train_steps, "tokens": run.tokens, "flops": run.total_flops}
-    overrides = {"seed": seed, **OURS[part](lr), **extra}
+    overrides = {"seed": seed, **ours(cell, part, lr), **extra}
     return variant_command(plan, run, folder, lr, overrides), folder, info
 
 
@@ -58,7 +70,7 @@ def main(argv: list[str]) -> int:
     parser = variant_parser(__doc__)
     parser.add_argument("architecture")
     parser.add_argument("--lr", type=float, required=True)
-    parser.add_argument("--ours", choices=sorted(OURS), required=True,
+    parser.add_argument("--ours", choices=PARTS, required=True,
                         help="the part of the recipe put back to ours")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

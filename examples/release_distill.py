@@ -56,5 +56,6 @@ def main(argv: list[str]) -> int:
     return run_variant(args, lambda: distill_command(args.cell, args.teacher_run, args.lr,
                                                      args.seed))
 
+
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

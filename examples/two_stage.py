@@ -146,5 +146,6 @@ def main(argv: list[str]) -> int:
     return run_variant(args, lambda: second_stage_command(args.cell, args.vanilla_run,
                                                           need_start=not args.collect))
 
+
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
