@@ -2,7 +2,8 @@
 
 ``launch`` runs the plan's runs with pretrain_iiet.py (torchrun when ``nproc`` > 1), one after
 another or ``jobs`` at a time (the cores shared out between them), phase 1 first (known LRs:
-the grid), then phase 2 with the grid's best LR per architecture carried by the plan's rule. It
+the grid), then phase 2 with the grid's best LR per architecture carried by the plan's rule
+(an architecture's phase-2 runs need its own grid finished, not the others'). It
 is idempotent: a run whose metrics say it finished is skipped, an unfinished one is started
 again and resumes from its newest checkpoint (every run saves every quarter of its schedule
 unless the sweep says otherwise). ``task`` picks one run of a phase (a SLURM array task). Runs
@@ -62,12 +63,13 @@ def run_status(plan: SweepPlan, run: RunPlan) -> str:
     return "partial" if records else "missing"
 
 
-def best_lrs(plan: SweepPlan) -> dict[str, float]:
-    """Per architecture with a grid: the grid LR of lowest final validation loss (mean over
-    seeds). Raises when a grid run has not finished."""
+def best_lrs(plan: SweepPlan, architectures: Optional[set[str]] = None) -> dict[str, float]:
+    """Per architecture with a grid (only those in `architectures` when given): the grid LR of
+    lowest final validation loss (mean over seeds). Raises when one of their grid runs has not
+    finished; another architecture's unfinished grid does not hold them back."""
     losses: dict[str, dict[float, list[float]]] = {}
     for run in plan.runs:
-        if not run.grid:
+        if not run.grid or (architectures is not None and run.architecture not in architectures):
             continue
         result = run_result(plan, run)
         if result["status"] != "finished" or result["valid_loss"] is None:
@@ -201,12 +203,13 @@ def launch(plan: SweepPlan, *, nproc: int = 1, phase: Optional[int] = None,
                 raise ValueError(f"task {task}: phase {current} has {len(runs)} runs")
             runs = [runs[task]]
         best = None
+        choice_path = Path(plan.spec.output) / "lr_choice.json"
         if current == 2 and runs:
             if dry_run:
                 best = {r.architecture: float("nan") for r in plan.runs}
             else:
-                best = best_lrs(plan)
-                _write_json(Path(plan.spec.output) / "lr_choice.json", best)
+                best = best_lrs(plan, {r.architecture for r in runs})
+                _write_json(choice_path, {**_read_lr_choice(choice_path), **best})
                 say("best grid LR: " + ", ".join(f"{a} {v:.3g}" for a, v in best.items()))
         todo: list[tuple[RunPlan, str, list[str]]] = []
         for run in runs:
@@ -427,11 +430,10 @@ def _extra_losses(plan: SweepPlan, results: list[dict], extra: list[ExtraValid])
 
 def collect(plan: SweepPlan, extra: Optional[list[ExtraValid]] = None) -> list[dict]:
     results = [run_result(plan, r) for r in plan.runs]
+    choice = _read_lr_choice(Path(plan.spec.output) / "lr_choice.json")
     for r in results:  # phase 2 runs: the LR they ran at
-        if r["lr"] is None:
-            choice = Path(plan.spec.output) / "lr_choice.json"
-            if choice.is_file():
-                r["lr"] = json.loads(choice.read_text())[r["architecture"]] * r["lr_factor"]
+        if r["lr"] is None and r["architecture"] in choice:
+            r["lr"] = choice[r["architecture"]] * r["lr_factor"]
     _extra_losses(plan, results, extra or [])
     out = Path(plan.spec.output)
     _write_json(out / "results.json", results)
@@ -442,6 +444,11 @@ def collect(plan: SweepPlan, extra: Optional[list[ExtraValid]] = None) -> list[d
         except ValueError:
             pass  # the grid is not finished yet: results still written
     return results
+
+
+def _read_lr_choice(path: Path) -> dict[str, float]:
+    """The best grid LR per architecture that phase 2 ran with ({} before any phase-2 run)."""
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def _write_json(path: Path, data) -> None:

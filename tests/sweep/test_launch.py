@@ -245,3 +245,28 @@ def test_a_sweep_continues_from_committed_results_where_its_run_folders_are_gone
     results = {r["name"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())}
     assert results[rows[0]["name"]]["valid_loss"] == rows[0]["valid_loss"]
     assert all(r["status"] == "finished" for r in results.values())
+
+
+def test_an_architectures_seeds_start_once_its_own_grid_has_finished(tmp_path, tiny_data):
+    """Phase 2 per architecture: vanilla's seed at its best LR runs while PCformer's grid has not
+    finished; PCformer's seed is refused with one line naming its unfinished grid run."""
+    sweep = _sweep(tmp_path, tiny_data)
+    tree = yaml.safe_load(sweep.read_text())
+    tree.update(architectures=["vanilla", "pcformer_rk2"], sizes=tree["sizes"][:1],
+                lr={"grid": {"vanilla": [3e-3], "pcformer_rk2": [3e-3]}},
+                noise={"size": "xs", "seeds": [2]})
+    sweep.write_text(yaml.safe_dump(tree))
+    assert _cli("launch", sweep, "--phase", "1", "--task", "0").returncode == 0  # vanilla's grid
+    early = _cli("launch", sweep, "--phase", "2", "--task", "1")
+    assert early.returncode == 2, early.stdout[-2000:] + early.stderr[-2000:]
+    assert "pcformer_rk2_xs_8.192K_lr0.003_s1: the LR grid run has not finished" in early.stderr
+    seed = _cli("launch", sweep, "--phase", "2", "--task", "0")
+    assert seed.returncode == 0, seed.stdout[-2000:] + seed.stderr[-2000:]
+    assert "best grid LR: vanilla 0.003" in seed.stdout
+    assert "start vanilla_xs_8.192K_lrbest_s2" in seed.stdout
+    out = tmp_path / "out"
+    assert json.loads((out / "lr_choice.json").read_text()) == {"vanilla": 0.003}
+    assert _cli("collect", sweep).returncode == 0
+    lrs = {r["name"]: (r["status"], r["lr"]) for r in json.loads((out / "results.json").read_text())}
+    assert lrs["vanilla_xs_8.192K_lrbest_s2"] == ("finished", 0.003)
+    assert lrs["pcformer_rk2_xs_8.192K_lrbest_s2"] == ("missing", None)
