@@ -6,6 +6,7 @@ docs/scaling.md.
 
     python examples/trained_regime_report.py [CELL ...]      # default: every committed cell
     python examples/trained_regime_report.py --compare CELL_A CELL_B   # paired by seed
+    python examples/trained_regime_report.py --tail-gain [CELL ...]     # the decay's gain by LR
 """
 
 from __future__ import annotations
@@ -182,7 +183,39 @@ def compare(cell_a: str, cell_b: str) -> str:
     return "\n".join(lines)
 
 
+def tail_gain(cells: list[str], from_fraction: float = 0.6, results: Path = RESULTS) -> str:
+    """How much each run's held-out loss falls over the last 40% of its tokens (most of the LR's
+    decay), by architecture and peak LR, mean over the seeds run there: whether the late gain
+    follows the architecture or the LR."""
+    lines = [f"Held-out loss gained from {from_fraction:.0%} of the tokens to the end "
+             "(mean over seeds; seeds in brackets)", "",
+             "| cell | architecture | " + " | ".join(f"LR {lr:g}" for lr in TAIL_LRS) + " |",
+             "|---|---|" + "---|" * len(TAIL_LRS)]
+    for cell in cells:
+        runs = [r for r in json.loads((results / cell / "results.json").read_text())
+                if r["status"] == "finished" and r["lr"] is not None]
+        for arch in ARCHS:
+            gains: dict[float, list[float]] = {}
+            for r in runs:
+                if r["architecture"] != arch:
+                    continue
+                curve = r["loss_curve"]
+                mid = at_equal_x({"run": curve}, from_fraction * curve[-1][0])["run"]
+                gains.setdefault(r["lr"], []).append(mid - curve[-1][1])
+            if gains:
+                lines.append(f"| {cell} | {arch} | " + " | ".join(
+                    f"{statistics.mean(gains[lr]):.3f} ({len(gains[lr])})" if lr in gains else ""
+                    for lr in TAIL_LRS) + " |")
+    return "\n".join(lines)
+
+
+TAIL_LRS = (5e-4, 1e-3, 2e-3, 4e-3, 8e-3)
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--tail-gain"]:
+        print(tail_gain(argv[1:] or ["xs_20tpp", "xs_47tpp", "s_20tpp"]))
+        return 0
     if argv[:1] == ["--compare"]:
         if len(argv) != 3:
             print("usage: trained_regime_report.py --compare CELL_A CELL_B", file=sys.stderr)

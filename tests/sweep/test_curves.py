@@ -52,3 +52,32 @@ def small_dataset(tmp_path):
     writer.add_documents(np.concatenate(docs), np.array([len(d) for d in docs]))
     writer.finalize({})
     return str(tmp_path / "d"), docs
+
+
+def test_the_reports_tail_gain_is_the_fall_from_60_percent_of_the_tokens_per_lr(tmp_path):
+    """examples/trained_regime_report.py --tail-gain: the held-out loss at 60% of a run's tokens
+    (interpolated) minus its final loss, averaged over the seeds at one (architecture, LR)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "trained_regime_report.py"
+    spec = importlib.util.spec_from_file_location("trained_regime_report", path)
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+
+    def run(arch, lr, seed, curve, status="finished"):
+        return {"architecture": arch, "lr": lr, "seed": seed, "status": status,
+                "loss_curve": curve}
+
+    runs = [run("vanilla", 4e-3, 1, [(0, 6.0), (10, 5.0), (20, 4.0)]),    # 4.8 at 12: 0.8
+            run("vanilla", 4e-3, 2, [(0, 6.0), (10, 5.0), (20, 4.4)]),    # 4.88 at 12: 0.48
+            run("iiet", 2e-3, 1, [(0, 6.0), (5, 5.0), (10, 4.5)]),        # 4.9 at 6: 0.4
+            run("iiet", None, 2, [(0, 6.0), (10, 1.0)]),                  # phase 2, LR unknown
+            run("iiet", 4e-3, 1, [(0, 6.0), (10, 1.0)], status="partial")]
+    (tmp_path / "cell").mkdir()
+    (tmp_path / "cell" / "results.json").write_text(json.dumps(runs))
+    rows = report.tail_gain(["cell"], results=tmp_path).splitlines()
+    assert "| cell | vanilla |  |  |  | 0.640 (2) |  |" in rows
+    assert "| cell | iiet |  |  | 0.400 (1) |  |  |" in rows
+    assert not any("pcformer_rk2" in row for row in rows)
