@@ -49,12 +49,9 @@ def ablation_command(cell: str, architecture: str, lr: float, part: str, seed: i
     if run is None:
         raise OperatorError(f"{cell}: has no {architecture} run "
                             f"({', '.join(sorted({r.architecture for r in plan.runs}))})")
-    extra = {}
-    for text in also:
-        key, sep, value = text.partition("=")
-        if not sep or not key:
-            raise OperatorError(f"--set {text!r}: expected KEY=VALUE (e.g. optimizer.clip_grad=0)")
-        extra[key] = value
+    from megatron_iiet.training.config import parse_override
+
+    extra = dict(parse_override(text) for text in also)  # pretrain_iiet.py's own --set parser
     # the further overrides are part of the run's name, so that each variant has its own folder
     suffix = "".join("_" + re.sub(r"[^A-Za-z0-9._-]", "-", f"{k.rsplit('.', 1)[-1]}{v}")
                      for k, v in extra.items())

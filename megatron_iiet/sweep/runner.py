@@ -203,13 +203,13 @@ def launch(plan: SweepPlan, *, nproc: int = 1, phase: Optional[int] = None,
                 raise ValueError(f"task {task}: phase {current} has {len(runs)} runs")
             runs = [runs[task]]
         best = None
-        choice_path = Path(plan.spec.output) / "lr_choice.json"
         if current == 2 and runs:
             if dry_run:
                 best = {r.architecture: float("nan") for r in plan.runs}
             else:
                 best = best_lrs(plan, {r.architecture for r in runs})
-                _write_json(choice_path, {**_read_lr_choice(choice_path), **best})
+                choice = Path(plan.spec.output) / "lr_choice.json"
+                _write_json(choice, {**_read_lr_choice(choice), **best})
                 say("best grid LR: " + ", ".join(f"{a} {v:.3g}" for a, v in best.items()))
         todo: list[tuple[RunPlan, str, list[str]]] = []
         for run in runs:
