@@ -213,19 +213,33 @@ TAIL_LRS = (5e-4, 1e-3, 2e-3, 4e-3, 8e-3)
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["--tail-gain"]:
-        print(tail_gain(argv[1:] or ["xs_20tpp", "xs_47tpp", "s_20tpp"]))
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("cells", nargs="*", metavar="CELL",
+                        help="committed cells (results/trained/CELL); default: every one")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--tail-gain", action="store_true",
+                      help="the loss each run gains over its last 40%% of tokens, by peak LR")
+    mode.add_argument("--compare", action="store_true",
+                      help="two cells (CELL_A CELL_B), paired by seed")
+    args = parser.parse_args(argv)
+    committed = sorted(p.name for p in RESULTS.iterdir() if (p / "results.json").is_file())
+    unknown = [c for c in args.cells if c not in committed]
+    if unknown:
+        parser.exit(2, f"error: no committed results for {', '.join(unknown)} "
+                       f"(cells: {', '.join(committed)})\n")
+    if args.tail_gain:
+        print(tail_gain(args.cells or ["xs_20tpp", "xs_47tpp", "s_20tpp"]))
         return 0
-    if argv[:1] == ["--compare"]:
-        if len(argv) != 3:
-            print("usage: trained_regime_report.py --compare CELL_A CELL_B", file=sys.stderr)
-            return 2
-        print(compare(argv[1], argv[2]))
+    if args.compare:
+        if len(args.cells) != 2:
+            parser.exit(2, "error: --compare takes two cells, CELL_A CELL_B\n")
+        print(compare(*args.cells))
         return 0
-    cells = argv or sorted(p.name for p in RESULTS.iterdir() if (p / "results.json").is_file())
     H = entropy()
     print(f"Unigram entropy of the training tokens: {H:.3f} nats (the plateau: within 0.1 of it)\n")
-    for cell in cells:
+    for cell in args.cells or committed:
         print(report(cell, H) + "\n")
     return 0
 

@@ -88,16 +88,16 @@ def collect(cell: str, folder: Path, info: dict) -> Path:
     import json
 
     from megatron_iiet.data.atomic import write_bytes_atomic
-    from megatron_iiet.sweep.runner import _records  # skips a line cut by a kill
+    from megatron_iiet.training.metrics_log import last_attempt, read_records
 
-    records = _records(folder)
-    valid = [(r["step"], r["loss"]) for r in records if r.get("kind") == "valid"]
+    records = read_records(folder)
+    valid = [(r["step"], r["loss"]) for r in last_attempt(records, "valid")]
     if not any(r.get("kind") == "end" and r.get("finished") and r.get("step") == info["train_steps"]
                for r in records) or not valid or valid[-1][0] != info["train_steps"]:
         raise OperatorError(f"{folder}: not finished (no end record at step {info['train_steps']}, "
                             "or no validation there)")
     summary = {"name": folder.name, **info, "valid_loss": valid[-1][1], "valid_curve": valid,
-               "train_curve": [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"],
+               "train_curve": [(r["step"], r["loss"]) for r in last_attempt(records, "train")],
                "finished": True}
     out = REPO / "results" / "trained" / cell / f"{folder.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

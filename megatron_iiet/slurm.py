@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import socket
 import sys
@@ -135,16 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             raise SystemExit(f"error: missing: {'; '.join(missing)}")
         return 0
-    metrics = Path(config.logging.dir) / "metrics.jsonl"
-    ends = []
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by a kill
-            if record.get("kind") == "end":
-                ends.append(record)
+    from megatron_iiet.training.metrics_log import read_records
+
+    ends = [r for r in read_records(Path(config.logging.dir)) if r.get("kind") == "end"]
     return 0 if ends and ends[-1].get("finished") else 1
 
 

@@ -6,7 +6,8 @@
 Each RUN is a logging.dir (holding metrics.jsonl) or a metrics.jsonl file. With --plot, and if
 matplotlib is installed, it also writes a PNG of the validation and training loss curves
 (matplotlib is optional: without it only the table is printed, and the script says so).
-A resumed run appends to its metrics.jsonl; for every step the last record counts.
+A restarted run appends to its metrics.jsonl; from the step it restarted at, its records replace
+the earlier attempt's (``metrics_log.last_attempt``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import math
 import sys
 from pathlib import Path
 
+from megatron_iiet.training.metrics_log import last_attempt
+
 
 def read_run(spec: str) -> dict:
     path = Path(spec)
@@ -24,23 +27,20 @@ def read_run(spec: str) -> dict:
         path = path / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"{spec}: no metrics.jsonl there")
-    train: dict[int, dict] = {}
-    valid: dict[int, dict] = {}
+    records = []
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
-            kind, step = record["kind"], int(record["step"])
+            record["kind"], record["step"] = str(record["kind"]), int(record["step"])
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}:{lineno}: not a metrics record ({e})") from None
-        if kind == "train":
-            train[step] = record
-        elif kind == "valid":
-            valid[step] = record
+        records.append(record)
+    train = {r["step"]: r for r in last_attempt(records, "train")}
+    valid = {r["step"]: r for r in last_attempt(records, "valid")}
     name = path.parent.name if path.name == "metrics.jsonl" else path.stem
-    return {"name": name, "path": str(path), "train": dict(sorted(train.items())),
-            "valid": dict(sorted(valid.items()))}
+    return {"name": name, "path": str(path), "train": train, "valid": valid}
 
 
 def summarize(run: dict, tail: int) -> dict:

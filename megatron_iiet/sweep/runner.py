@@ -31,6 +31,7 @@ from typing import Callable, Optional
 
 from megatron_iiet.lifetime import terminate_with_parent
 from megatron_iiet.sweep.plan import RunPlan, SweepPlan, run_overrides
+from megatron_iiet.training.metrics_log import last_attempt, read_records
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,22 +40,9 @@ def run_dir(plan: SweepPlan, run: RunPlan) -> Path:
     return Path(run.overrides["logging.dir"])
 
 
-def _records(path: Path) -> list[dict]:
-    metrics = path / "metrics.jsonl"
-    if not metrics.is_file():
-        return []
-    out = []
-    for line in metrics.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by a kill: the rest still counts
-            continue
-    return out
-
-
 def run_status(plan: SweepPlan, run: RunPlan) -> str:
     """finished | partial | missing."""
-    records = _records(run_dir(plan, run))
+    records = read_records(run_dir(plan, run))
     if any(r.get("kind") == "end" and r.get("finished") and r.get("step") == run.train_steps
            for r in records):
         return "finished"
@@ -168,7 +156,7 @@ def calibrate(plan: SweepPlan, nproc: int = 1, scratch: Optional[Path] = None) -
         if proc.returncode != 0:
             tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
             raise RuntimeError(f"calibration run {run.name} failed: {tail}")
-        step_s = [r["step_s"] for r in _records(folder / "run") if r.get("kind") == "train"]
+        step_s = [r["step_s"] for r in read_records(folder / "run") if r.get("kind") == "train"]
     finally:
         if scratch is None:
             shutil.rmtree(folder, ignore_errors=True)
@@ -384,11 +372,10 @@ class ExtraValid:
 
 
 def run_result(plan: SweepPlan, run: RunPlan) -> dict:
-    records = _records(run_dir(plan, run))
+    records = read_records(run_dir(plan, run))
     if not records and run.name in plan.committed:
         return dict(plan.committed[run.name])
-    valid = [r for r in records if r.get("kind") == "valid"]
-    train = [r for r in records if r.get("kind") == "train"]
+    valid, train = last_attempt(records, "valid"), last_attempt(records, "train")
     per_step = run.tokens / run.train_steps
     return {
         "name": run.name, "architecture": run.architecture, "size": run.size,

@@ -81,3 +81,17 @@ def test_the_reports_tail_gain_is_the_fall_from_60_percent_of_the_tokens_per_lr(
     assert "| cell | vanilla |  |  |  | 0.640 (2) |  |" in rows
     assert "| cell | iiet |  |  | 0.400 (1) |  |  |" in rows
     assert not any("pcformer_rk2" in row for row in rows)
+
+
+def test_the_report_refuses_a_cell_without_committed_results_in_one_line():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "trained_regime_report.py"
+    proc = subprocess.run([sys.executable, str(path), "xs_99tpp"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: no committed results for xs_99tpp (cells: ") and \
+        "xs_20tpp" in line, line
