@@ -7,6 +7,7 @@ docs/scaling.md.
     python examples/trained_regime_report.py [CELL ...]      # default: every committed cell
     python examples/trained_regime_report.py --compare CELL_A CELL_B   # paired by seed
     python examples/trained_regime_report.py --tail-gain [CELL ...]     # the decay's gain by LR
+    python examples/trained_regime_report.py --iiad CELL         # E-IIET students' share kept
 """
 
 from __future__ import annotations
@@ -183,6 +184,36 @@ def compare(cell_a: str, cell_b: str) -> str:
     return "\n".join(lines)
 
 
+def iiad_share(cell: str, results: Path = RESULTS) -> str:
+    """Issue 31.5: each E-IIET student of the cell (``examples/iiad_trained.py --collect``)
+    against its own IIET run and vanilla at its best LR (seed mean), at equal tokens: the share of
+    IIET's gain over vanilla the student keeps, (vanilla - student) / (vanilla - IIET)."""
+    runs = {r["name"]: r for r in json.loads((results / cell / "results.json").read_text())
+            if r["status"] == "finished"}
+    lr, _ = best_lr(list(runs.values()), "vanilla")
+    seeds = [r["valid_loss"] for r in runs.values()
+             if r["architecture"] == "vanilla" and r["lr"] == lr]
+    vanilla = statistics.mean(seeds)
+    lines = [f"### IIAD in {cell}: against vanilla {lr:.3g}, {mean_sd(seeds)}", "",
+             "| student | plan (passes) | teacher | held-out | its IIET run | IIET's gain over "
+             "vanilla | share kept |", "|---|---|---|---|---|---|---|"]
+    for path in sorted((results / cell).glob("iiad_*.json")):
+        student = json.loads(path.read_text())
+        iiet = runs.get(student["iiet_run"])
+        if iiet is None:
+            lines.append(f"| {student['name']} | | | {student['valid_loss']:.4f} | "
+                         f"{student['iiet_run']} not in the cell's results | | |")
+            continue
+        gain = vanilla - iiet["valid_loss"]
+        share = (f"{(vanilla - student['valid_loss']) / gain:.0%}" if gain > 0
+                 else "- (IIET does not lead)")
+        lines.append(f"| {student['name']} | {student['plan']} ({student['passes']} of "
+                     f"{student['full_passes']}) | {student['teacher'] or '-'} | "
+                     f"{student['valid_loss']:.4f} | {iiet['valid_loss']:.4f} | {gain:+.4f} | "
+                     f"{share} |")
+    return "\n".join(lines)
+
+
 def tail_gain(cells: list[str], from_fraction: float = 0.6, results: Path = RESULTS) -> str:
     """How much each run's held-out loss falls over the last 40% of its tokens (most of the LR's
     decay), by architecture and peak LR, mean over the seeds run there: whether the late gain
@@ -221,6 +252,8 @@ def main(argv: list[str]) -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--tail-gain", action="store_true",
                       help="the loss each run gains over its last 40%% of tokens, by peak LR")
+    mode.add_argument("--iiad", action="store_true",
+                      help="the E-IIET students of each cell: the share of IIET's gain kept")
     mode.add_argument("--compare", action="store_true",
                       help="two cells (CELL_A CELL_B), paired by seed")
     args = parser.parse_args(argv)
@@ -231,6 +264,9 @@ def main(argv: list[str]) -> int:
                        f"(cells: {', '.join(committed)})\n")
     if args.tail_gain:
         print(tail_gain(args.cells or ["xs_20tpp", "xs_47tpp", "s_20tpp"]))
+        return 0
+    if args.iiad:
+        print("\n\n".join(iiad_share(cell) for cell in args.cells or committed))
         return 0
     if args.compare:
         if len(args.cells) != 2:

@@ -26,9 +26,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def cell_plan(cell: str):
+    """The plan of a trained-regime cell (examples/sweeps/trained/CELL.yaml), or of the sweep
+    file CELL names (a .yaml path)."""
     from megatron_iiet.sweep.plan import plan_sweep
 
-    return plan_sweep(REPO / "examples" / "sweeps" / "trained" / f"{cell}.yaml", 1.0)
+    path = Path(cell) if cell.endswith(".yaml") else (
+        REPO / "examples" / "sweeps" / "trained" / f"{cell}.yaml")
+    return plan_sweep(path, 1.0)
 
 
 def finished_run(plan, name: str, architecture: str):
@@ -55,23 +59,45 @@ def variant_command(plan, base, folder: Path, lr: float, overrides: dict) -> lis
     return _command(plan, renamed, lr, 1, extra=tuple(as_sets(overrides)))
 
 
+def trained_lr(plan, run) -> float:
+    """The LR ``run`` was trained with: its checkpoint's, or its committed result's."""
+    from megatron_iiet.sweep.runner import saved_lr
+
+    lr = saved_lr(plan, run)
+    if lr is None:
+        lr = plan.committed.get(run.name, {}).get("lr")
+    if lr is None:
+        raise OperatorError(f"{run.name}: its LR is not known here (no checkpoint, no committed LR)")
+    return lr
+
+
+def last_quarter_start(plan, run, need: bool = True) -> tuple[int, Path]:
+    """(the step at 3/4 of ``run``, its checkpoint there): where a variant of the run's last
+    quarter starts. ``need``: refuse in one line when that checkpoint is missing here."""
+    from megatron_iiet.sweep.runner import run_dir
+    from megatron_iiet.training.checkpoint_index import checkpoint_name, defect
+
+    quarter = 3 * (run.train_steps // 4)
+    start = run_dir(plan, run) / "checkpoints" / checkpoint_name(quarter)
+    if need and not run_dir(plan, run).is_dir():
+        raise OperatorError(f"{run.name}: its run folder is not on this machine (only its "
+                            "committed results are; the variant needs its checkpoints)")
+    if need and (not start.is_dir() or defect(start) is not None):
+        raise OperatorError(f"{start}: missing or incomplete (a run started before the sweep's "
+                            "checkpoint.keep_last 5 kept only its last checkpoint)")
+    return quarter, start
+
+
 def second_stage_command(cell: str, vanilla_name: str,
                          need_start: bool = True) -> tuple[list[str], Path, dict]:
     """(the pretrain_iiet.py command of the second stage, its run folder, what its results
     record besides the curves)."""
-    from megatron_iiet.sweep.runner import run_dir, saved_lr
-    from megatron_iiet.training.checkpoint_index import checkpoint_name, defect
-
     plan = cell_plan(cell)
     vanilla = finished_run(plan, vanilla_name, "vanilla")
-    quarter = 3 * (vanilla.train_steps // 4)
-    start = run_dir(plan, vanilla) / "checkpoints" / checkpoint_name(quarter)
-    if need_start and (not start.is_dir() or defect(start) is not None):
-        raise OperatorError(f"{start}: missing or incomplete (a run started before the sweep's "
-                            "checkpoint.keep_last 5 kept only its last checkpoint)")
+    quarter, start = last_quarter_start(plan, vanilla, need_start)
     iiet = next(r for r in plan.runs if r.architecture == "iiet")  # the IIET settings of the cell
     folder = Path(plan.spec.output) / "runs" / f"two_stage_iiet_from_{vanilla_name}"
-    lr, seed = saved_lr(plan, vanilla), vanilla.overrides["seed"]
+    lr, seed = trained_lr(plan, vanilla), vanilla.overrides["seed"]
     share = quarter / vanilla.train_steps  # of the tokens trained as vanilla
     info = {"first_stage": vanilla_name, "switch_step": quarter, "train_steps": vanilla.train_steps,
             "lr": lr, "seed": seed, "tokens": vanilla.tokens,

@@ -95,3 +95,38 @@ def test_the_report_refuses_a_cell_without_committed_results_in_one_line():
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("error: no committed results for xs_99tpp (cells: ") and \
         "xs_20tpp" in line, line
+
+
+def test_the_reports_iiad_share_is_the_students_part_of_iiets_gain_over_vanilla(tmp_path):
+    """trained_regime_report.py --iiad: (vanilla - student) / (vanilla - IIET), vanilla as the
+    mean of its seeds at its best LR, each student against its own IIET run."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "trained_regime_report.py"
+    spec = importlib.util.spec_from_file_location("trained_regime_report", path)
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+
+    def run(name, arch, lr, seed, loss, grid=True):
+        return {"name": name, "architecture": arch, "lr": lr, "seed": seed, "grid": grid,
+                "status": "finished", "valid_loss": loss}
+
+    cell = tmp_path / "cell"
+    cell.mkdir()
+    (cell / "results.json").write_text(json.dumps([
+        run("v2", "vanilla", 2e-3, 1234, 4.30), run("v4", "vanilla", 4e-3, 1234, 4.22),
+        run("v4s1", "vanilla", 4e-3, 1, 4.24, grid=False), run("v8", "vanilla", 8e-3, 1234, 4.25),
+        run("i2", "iiet", 2e-3, 1234, 4.13), run("i4", "iiet", 4e-3, 1234, 4.30)]))
+    student = {"iiet_run": "i2", "plan": [1, 1], "passes": 4, "full_passes": 8,
+               "teacher": "i2", "valid_loss": 4.16}
+    (cell / "iiad_distil_x2_from_i2.json").write_text(json.dumps({**student, "name": "d"}))
+    (cell / "iiad_plain_x2_from_i4.json").write_text(json.dumps(
+        {**student, "name": "p", "iiet_run": "i4", "teacher": None, "valid_loss": 4.35}))
+    rows = report.iiad_share("cell", results=tmp_path).splitlines()
+    assert rows[0] == "### IIAD in cell: against vanilla 0.004, 4.230 ± 0.014 (2 seeds)"
+    # vanilla 4.23, IIET 4.13: a gain of 0.10, of which the student (4.16) keeps 0.07
+    assert "| d | [1, 1] (4 of 8) | i2 | 4.1600 | 4.1300 | +0.1000 | 70% |" in rows
+    assert "| p | [1, 1] (4 of 8) | - | 4.3500 | 4.3000 | -0.0700 | - (IIET does not lead) |" \
+        in rows

@@ -1,0 +1,69 @@
+"""examples/iiad_trained.py (issue 31.5) on a tiny one-run sweep: the influence of the IIET run's
+checkpoint at 3/4 of its steps, the 2x-decode plan, and the pruned student trained from there to
+the run's last step, distilled from the finished IIET, with the run's step, schedule and data."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from tests.forked import run_script
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+STEPS = 64
+
+
+def test_the_2x_plan_student_continues_the_iiet_run_from_three_quarters(tmp_path, tiny_data):
+    sweep = tmp_path / "cell.yaml"
+    sweep.write_text(yaml.safe_dump({
+        "name": "cell", "base": str(REPO / "examples" / "tiny_iiet.yaml"),
+        "output": str(tmp_path / "out"), "architectures": ["iiet"],
+        "set": {"data.train": tiny_data.data_prefix, "data.valid": tiny_data.data_prefix,
+                "data.tokenizer": tiny_data.tokenizer_model, "data.num_workers": 0,
+                "data.cache_dir": str(tmp_path / "cache"), "logging.progress_bar": False,
+                "logging.tensorboard": False, "eval.steps": 1, "eval.interval": 16,
+                "logging.log_interval": 4, "checkpoint.keep_last": 5},
+        "arch_set": {"iiet": {"model.max_iterations": 3}},
+        "sizes": [{"name": "xs", "num_layers": 2, "hidden_size": 32}],
+        "tokens": [STEPS * 4 * 32], "batch": {"global_batch_size": 4, "micro_batch_size": 4,
+                                              "seq_length": 32},
+        "shape_rules": {"head_dim": 16}, "lr": {"values": {"iiet": 3e-3}}}))
+    launched = run_script(str(REPO / "tools" / "sweep.py"), ["launch", str(sweep)], cwd=REPO,
+                          env=ENV, timeout=900)
+    assert launched.returncode == 0, launched.stdout[-2000:] + launched.stderr[-2000:]
+    (iiet_run,) = [p for p in (tmp_path / "out" / "runs").iterdir()]
+
+    script = [sys.executable, str(REPO / "examples" / "iiad_trained.py"), str(sweep),
+              iiet_run.name, "--offset-tokens", "0"]
+    proc = subprocess.run(script, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    work = tmp_path / "out" / "iiad" / iiet_run.name
+    chosen = json.loads((work / "plan_x2.json").read_text())
+    assert chosen["full_passes"] == 8 and chosen["passes"] <= 4  # 2 layers x (1 + 3 iterations)
+    assert chosen["checkpoint"].endswith("iter_0000048")         # the run at 3/4
+    student = tmp_path / "out" / "runs" / f"iiad_distil_x2_from_{iiet_run.name}"
+    records = [json.loads(line) for line in (student / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert train[0]["step"] == 52 and train[-1]["step"] == STEPS  # from 48 on, logged every 4
+    assert any(r["kind"] == "end" and r.get("finished") for r in records)
+    assert any(r["kind"] == "distill" for r in records)  # the KL to the finished IIET
+    # the run's own LR schedule, continued: the student's LR is the IIET run's at every step
+    iiet_lr = {r["step"]: r["lr"] for r in map(json.loads, (iiet_run / "metrics.jsonl")
+                                                 .read_text().splitlines()) if r["kind"] == "train"}
+    assert all(abs(r["lr"] - iiet_lr[r["step"]]) < 1e-12 for r in train)
+    from megatron_iiet.training.checkpoint_index import newest_complete, read_meta
+
+    config = read_meta(newest_complete(student / "checkpoints")).config
+    assert config["model"]["iterations"] == chosen["iterations"]
+    assert config["distill"]["teachers"][0]["checkpoint"] == str(iiet_run / "checkpoints")
+
+    again = subprocess.run(script + ["--dry-run"], cwd=REPO, env=ENV, capture_output=True,
+                           text=True, timeout=300)  # the plan is there: the student's command
+    assert again.returncode == 0 and "iiad_influence" not in again.stdout, again.stdout[-2000:]
+    assert f"model.iterations={json.dumps(chosen['iterations'])}".replace(" ", "") in \
+        again.stdout.replace(" ", ""), again.stdout[-2000:]
