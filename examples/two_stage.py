@@ -35,6 +35,14 @@ def cell_plan(cell: str):
     return plan_sweep(path, 1.0)
 
 
+def results_dir(cell: str) -> Path:
+    """Where a cell's small results are kept: results/trained/CELL (committed), or for a sweep
+    file CELL.yaml the folder results/CELL beside it."""
+    if cell.endswith(".yaml"):
+        return Path(cell).parent / "results" / Path(cell).stem
+    return REPO / "results" / "trained" / cell
+
+
 def finished_run(plan, name: str, architecture: str):
     """The plan's run ``name`` of ``architecture``, finished here (its checkpoints are needed)."""
     from megatron_iiet.sweep.runner import run_status
@@ -125,7 +133,7 @@ def collect(cell: str, folder: Path, info: dict) -> Path:
     summary = {"name": folder.name, **info, "valid_loss": valid[-1][1], "valid_curve": valid,
                "train_curve": [(r["step"], r["loss"]) for r in last_attempt(records, "train")],
                "finished": True}
-    out = REPO / "results" / "trained" / cell / f"{folder.name}.json"
+    out = results_dir(cell) / f"{folder.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     write_bytes_atomic(out, (json.dumps(summary, indent=1) + "\n").encode())
     print(f"{out}: held-out {summary['valid_loss']:.4f}")

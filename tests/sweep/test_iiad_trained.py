@@ -67,3 +67,16 @@ def test_the_2x_plan_student_continues_the_iiet_run_from_three_quarters(tmp_path
     assert again.returncode == 0 and "iiad_influence" not in again.stdout, again.stdout[-2000:]
     assert f"model.iterations={json.dumps(chosen['iterations'])}".replace(" ", "") in \
         again.stdout.replace(" ", ""), again.stdout[-2000:]
+
+    collected = subprocess.run(script + ["--collect"], cwd=REPO, env=ENV, capture_output=True,
+                               text=True, timeout=300)
+    assert collected.returncode == 0, collected.stdout[-2000:] + collected.stderr[-2000:]
+    summary = json.loads((tmp_path / "results" / "cell" / f"{student.name}.json").read_text())
+    assert summary["plan"] == chosen["iterations"] and summary["iiet_run"] == iiet_run.name
+    assert summary["switch_step"] == 48 and summary["valid_curve"][-1][0] == STEPS
+    assert summary["valid_loss"] == [r for r in records if r["kind"] == "valid"][-1]["loss"]
+    # FLOPs: 3/4 of the IIET run's, then the pruned student's plus the teacher's forward
+    from megatron_iiet.sweep.plan import plan_sweep
+
+    full = plan_sweep(sweep, flops_per_second=1e9).runs[0].total_flops
+    assert 0.75 * full < summary["flops"] < full and summary["teacher"] == iiet_run.name
