@@ -50,16 +50,9 @@ def _cli(*args, wait=True):
 
 
 def _records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
+    from megatron_iiet.training.metrics_log import read_records  # a line cut by a kill: skipped
+
+    return read_records(run_dir)
 
 
 def test_launch_kill_relaunch_collect(tmp_path, tiny_data):
