@@ -217,30 +217,29 @@ def iiad_share(cell: str, results: Path = RESULTS) -> str:
 def tail_gain(cells: list[str], from_fraction: float = 0.6, results: Path = RESULTS) -> str:
     """How much each run's held-out loss falls over the last 40% of its tokens (most of the LR's
     decay), by architecture and peak LR, mean over the seeds run there: whether the late gain
-    follows the architecture or the LR."""
+    follows the architecture or the LR. One column per peak LR any of the cells ran."""
+    gains: dict[tuple[str, str], dict[float, list[float]]] = {}
+    for cell in cells:
+        for r in json.loads((results / cell / "results.json").read_text()):
+            if r["status"] != "finished" or r["lr"] is None:
+                continue
+            curve = r["loss_curve"]
+            mid = at_equal_x({"run": curve}, from_fraction * curve[-1][0])["run"]
+            gains.setdefault((cell, r["architecture"]), {}).setdefault(r["lr"], []).append(
+                mid - curve[-1][1])
+    lrs = sorted({lr for by_lr in gains.values() for lr in by_lr})
     lines = [f"Held-out loss gained from {from_fraction:.0%} of the tokens to the end "
              "(mean over seeds; seeds in brackets)", "",
-             "| cell | architecture | " + " | ".join(f"LR {lr:g}" for lr in TAIL_LRS) + " |",
-             "|---|---|" + "---|" * len(TAIL_LRS)]
+             "| cell | architecture | " + " | ".join(f"LR {lr:g}" for lr in lrs) + " |",
+             "|---|---|" + "---|" * len(lrs)]
     for cell in cells:
-        runs = [r for r in json.loads((results / cell / "results.json").read_text())
-                if r["status"] == "finished" and r["lr"] is not None]
         for arch in ARCHS:
-            gains: dict[float, list[float]] = {}
-            for r in runs:
-                if r["architecture"] != arch:
-                    continue
-                curve = r["loss_curve"]
-                mid = at_equal_x({"run": curve}, from_fraction * curve[-1][0])["run"]
-                gains.setdefault(r["lr"], []).append(mid - curve[-1][1])
-            if gains:
+            by_lr = gains.get((cell, arch))
+            if by_lr:
                 lines.append(f"| {cell} | {arch} | " + " | ".join(
-                    f"{statistics.mean(gains[lr]):.3f} ({len(gains[lr])})" if lr in gains else ""
-                    for lr in TAIL_LRS) + " |")
+                    f"{statistics.mean(by_lr[lr]):.3f} ({len(by_lr[lr])})" if lr in by_lr else ""
+                    for lr in lrs) + " |")
     return "\n".join(lines)
-
-
-TAIL_LRS = (5e-4, 1e-3, 2e-3, 4e-3, 8e-3)
 
 
 def main(argv: list[str]) -> int:

@@ -73,13 +73,16 @@ def test_the_reports_tail_gain_is_the_fall_from_60_percent_of_the_tokens_per_lr(
     runs = [run("vanilla", 4e-3, 1, [(0, 6.0), (10, 5.0), (20, 4.0)]),    # 4.8 at 12: 0.8
             run("vanilla", 4e-3, 2, [(0, 6.0), (10, 5.0), (20, 4.4)]),    # 4.88 at 12: 0.48
             run("iiet", 2e-3, 1, [(0, 6.0), (5, 5.0), (10, 4.5)]),        # 4.9 at 6: 0.4
+            run("vanilla", 1.6e-2, 1, [(0, 6.0), (10, 4.0)]),             # 4.8 at 6: 0.8
             run("iiet", None, 2, [(0, 6.0), (10, 1.0)]),                  # phase 2, LR unknown
             run("iiet", 4e-3, 1, [(0, 6.0), (10, 1.0)], status="partial")]
     (tmp_path / "cell").mkdir()
     (tmp_path / "cell" / "results.json").write_text(json.dumps(runs))
     rows = report.tail_gain(["cell"], results=tmp_path).splitlines()
-    assert "| cell | vanilla |  |  |  | 0.640 (2) |  |" in rows
-    assert "| cell | iiet |  |  | 0.400 (1) |  |  |" in rows
+    # one column per LR the cell ran (2e-3, 4e-3, 1.6e-2): none is dropped, none is empty
+    assert "| cell | architecture | LR 0.002 | LR 0.004 | LR 0.016 |" in rows
+    assert "| cell | vanilla |  | 0.640 (2) | 0.800 (1) |" in rows
+    assert "| cell | iiet | 0.400 (1) |  |  |" in rows
     assert not any("pcformer_rk2" in row for row in rows)
 
 
