@@ -50,7 +50,7 @@ def best_lr(runs: list[dict], arch: str) -> tuple[float, str]:
     lrs = sorted(by_lr)
     best = min(lrs, key=lambda lr: statistics.mean(by_lr[lr]))
     if len(lrs) < 3:
-        return best, f"only {len(lrs)} of the grid's LRs finished"
+        return best, f"no: {len(lrs)} grid LR{'s' if len(lrs) > 1 else ''}, so the best is at an edge"
     return best, "yes" if 0 < lrs.index(best) < len(lrs) - 1 else "no: at its edge"
 
 
@@ -61,24 +61,37 @@ def mean_curve(curves: list[list]) -> list[tuple[float, float]]:
 
 
 def welch_lines(runs: list[dict]) -> list[str]:
-    """Welch's t-test (scipy) on the held-out losses at each architecture's best LR, for every
-    pair with at least two seeds each: whether a gap is larger than the seeds' spread."""
+    """At each architecture's best LR, for every pair with at least two seeds each: Welch's t-test
+    on the held-out losses, and (where the pair shares two or more seeds) the paired t-test on the
+    per-seed differences; a seed fixes the data order, so pairing removes that part of the
+    noise. Both from scipy; they say whether a gap is larger than the seeds' spread."""
     from itertools import combinations
 
-    from scipy.stats import ttest_ind
+    from scipy.stats import ttest_ind, ttest_rel
 
-    at_best = {}
+    at_best: dict[str, dict[int, float]] = {}
     for arch in ARCHS:
         if any(r["architecture"] == arch and r["grid"] for r in runs):
             lr, _ = best_lr(runs, arch)
-            at_best[arch] = [r["valid_loss"] for r in runs
-                             if r["architecture"] == arch and r["lr"] == lr]
-    tests = []
+            at_best[arch] = {r["seed"]: r["valid_loss"] for r in runs
+                             if r["architecture"] == arch and r["lr"] == lr}
+    welch, paired = [], []
     for a, b in combinations([a for a, v in at_best.items() if len(v) >= 2], 2):
-        result = ttest_ind(at_best[a], at_best[b], equal_var=False)
-        gap = statistics.mean(at_best[a]) - statistics.mean(at_best[b])
-        tests.append(f"{a} - {b} {gap:+.3f} (t = {result.statistic:.2f}, p = {result.pvalue:.2f})")
-    return ["", "Welch's t-test at the best LRs: " + "; ".join(tests)] if tests else []
+        va, vb = list(at_best[a].values()), list(at_best[b].values())
+        result = ttest_ind(va, vb, equal_var=False)
+        gap = statistics.mean(va) - statistics.mean(vb)
+        welch.append(f"{a} - {b} {gap:+.3f} (t = {result.statistic:.2f}, p = {result.pvalue:.2f})")
+        seeds = sorted(set(at_best[a]) & set(at_best[b]))
+        if len(seeds) >= 2:
+            diffs = [at_best[a][s] - at_best[b][s] for s in seeds]
+            result = ttest_rel([at_best[a][s] for s in seeds], [at_best[b][s] for s in seeds])
+            paired.append(f"{a} - {b} " + " / ".join(f"{d:+.3f}" for d in diffs)
+                          + f" (mean {statistics.mean(diffs):+.3f}, t = {result.statistic:.2f}, "
+                          f"p = {result.pvalue:.2f}, {len(seeds)} seeds)")
+    lines = ["", "Welch's t-test at the best LRs: " + "; ".join(welch)] if welch else []
+    if paired:
+        lines += ["", "Paired by seed at the best LRs: " + "; ".join(paired)]
+    return lines
 
 
 def report(cell: str, H: float) -> str:
