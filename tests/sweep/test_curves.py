@@ -133,3 +133,32 @@ def test_the_reports_iiad_share_is_the_students_part_of_iiets_gain_over_vanilla(
     assert "| d | [1, 1] (4 of 8) | i2 | 4.1600 | 4.1300 | +0.1000 | 70% |" in rows
     assert "| p | [1, 1] (4 of 8) | - | 4.3500 | 4.3000 | -0.0700 | - (IIET does not lead) |" \
         in rows
+
+
+def test_the_reports_seed_tests_pair_only_the_seeds_both_architectures_ran():
+    """welch_lines: Welch over every seed at each best LR; the paired test over the shared seeds,
+    each difference taken within one seed (same data order), so a seed only one side ran is
+    left out of the pairing."""
+    import importlib.util
+    from pathlib import Path
+
+    from scipy.stats import ttest_rel
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "trained_regime_report.py"
+    spec = importlib.util.spec_from_file_location("trained_regime_report", path)
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+
+    def run(arch, lr, seed, loss, grid=True):
+        return {"architecture": arch, "lr": lr, "seed": seed, "grid": grid, "valid_loss": loss}
+
+    runs = [run("vanilla", 4e-3, 1234, 4.00), run("vanilla", 8e-3, 1234, 3.95),
+            run("vanilla", 8e-3, 1, 3.98, grid=False), run("vanilla", 8e-3, 2, 3.97, grid=False),
+            run("iiet", 4e-3, 1234, 3.93), run("iiet", 4e-3, 1, 3.96, grid=False),
+            run("iiet", 4e-3, 7, 3.50, grid=False)]          # seed 7: iiet only, not paired
+    welch, paired = [line for line in report.welch_lines(runs) if line]
+    assert welch.startswith("Welch's t-test at the best LRs: vanilla - iiet +0.170 ")
+    expected = ttest_rel([3.95, 3.98], [3.93, 3.96])
+    assert paired == ("Paired by seed at the best LRs: vanilla - iiet +0.020 / +0.020 (mean "
+                      f"+0.020, t = {expected.statistic:.2f}, p = {expected.pvalue:.2f}, 2 seeds)")
+    assert report.best_lr(runs, "iiet") == (4e-3, "no: 1 grid LR, so the best is at an edge")
