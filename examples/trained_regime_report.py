@@ -60,7 +60,7 @@ def mean_curve(curves: list[list]) -> list[tuple[float, float]]:
     return [(curves[0][i][0], statistics.mean(c[i][1] for c in curves)) for i in range(points)]
 
 
-def welch_lines(runs: list[dict]) -> list[str]:
+def seed_test_lines(runs: list[dict]) -> list[str]:
     """At each architecture's best LR, for every pair with at least two seeds each: Welch's t-test
     on the held-out losses, and (where the pair shares two or more seeds) the paired t-test on the
     per-seed differences; a seed fixes the data order, so pairing removes that part of the
@@ -121,7 +121,7 @@ def report(cell: str, H: float) -> str:
         curve = mean_curve([r["loss_curve"] for r in at_best])
         curves_tokens[arch] = curve
         curves_flops[arch] = [(t * at_best[0]["flops_per_token"], v) for t, v in curve]
-    lines += welch_lines(runs)
+    lines += seed_test_lines(runs)
     if curves_flops:
         budget = min(c[-1][0] for c in curves_flops.values())
         equal = at_equal_x(curves_flops, budget)
