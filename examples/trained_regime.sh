@@ -12,7 +12,7 @@
 # every architecture, so that an interrupted session still leaves one finished run per
 # architecture; without it the sweep's own order. JOBS runs side by side, one thread each.
 #
-# Data: the 21 training books of the CPU ladder plus the 16 of gutenberg-extra (37 books, ~9.6M
+# Data: the 21 training books of the CPU ladder plus the 16 of gutenberg-extra (37 books, ~10.9M
 # tokens with the ladder's 4096-piece tokenizer); in-domain validation on the ladder's held-out
 # book (Pride and Prejudice), out of domain on WikiText-2 valid. Everything is written under
 # $OUT (default outputs/cpu_compare, shared with cpu_compare.sh); nothing goes into the
