@@ -58,7 +58,6 @@ def test_the_reports_tail_gain_is_the_fall_from_60_percent_of_the_tokens_per_lr(
     """examples/trained_regime_report.py --tail-gain: the held-out loss at 60% of a run's tokens
     (interpolated) minus its final loss, averaged over the seeds at one (architecture, LR)."""
     import json
-    from pathlib import Path
 
     report = _report_module()
 
@@ -100,7 +99,6 @@ def test_the_reports_iiad_share_is_the_students_part_of_iiets_gain_over_vanilla(
     """trained_regime_report.py --iiad: (vanilla - student) / (vanilla - IIET), vanilla as the
     mean of its seeds at its best LR, each student against its own IIET run."""
     import json
-    from pathlib import Path
 
     report = _report_module()
 
@@ -131,7 +129,6 @@ def test_the_reports_seed_tests_pair_only_the_seeds_both_architectures_ran():
     """seed_test_lines: Welch over every seed at each best LR; the paired test over the shared seeds,
     each difference taken within one seed (same data order), so a seed only one side ran is
     left out of the pairing."""
-    from pathlib import Path
 
     from scipy.stats import ttest_rel
 
