@@ -122,6 +122,7 @@ def report(cell: str, H: float) -> str:
         curves_tokens[arch] = curve
         curves_flops[arch] = [(t * at_best[0]["flops_per_token"], v) for t, v in curve]
     lines += seed_test_lines(runs)
+    lines += wikitext_curve_lines(cell, runs)
     if curves_flops:
         budget = min(c[-1][0] for c in curves_flops.values())
         equal = at_equal_x(curves_flops, budget)
@@ -129,6 +130,65 @@ def report(cell: str, H: float) -> str:
                   + ", ".join(f"{a} {v:.3f}" for a, v in equal.items() if v is not None)]
         _plot(cell, curves_tokens, curves_flops, H)
     return "\n".join(lines)
+
+
+def wikitext_curve_lines(cell: str, runs: list[dict], img: Path = REPO / "docs" / "img") -> list[str]:
+    """WikiText-2 (out of domain) along the run, from the checkpoints each run kept (``collect
+    --extra-valid``; only runs collected where their checkpoints still were have it): each
+    architecture at its best LR, mean over the seeds with a curve, at the token counts every one
+    of them has, and each minus vanilla paired by seed. Draws ``img``/trained_CELL_wikitext.png."""
+    with_curve = {}
+    for arch in ARCHS:
+        if any(r["architecture"] == arch and r["grid"] for r in runs):
+            lr, _ = best_lr(runs, arch)
+            seeds = {r["seed"]: dict(map(tuple, r["loss_curve_wikitext"])) for r in runs
+                     if r["architecture"] == arch and r["lr"] == lr and r.get("loss_curve_wikitext")}
+            if seeds:
+                with_curve[arch] = seeds
+    if not with_curve:
+        return []
+    points = sorted(set.intersection(*(set(c) for s in with_curve.values() for c in s.values())))
+    mean = {a: [statistics.mean(c[t] for c in s.values()) for t in points]
+            for a, s in with_curve.items()}
+    lines = ["", "WikiText-2 loss at the kept checkpoints, best LR each (mean over the seeds "
+             "listed; minus vanilla paired by seed)", "",
+             "| tokens | " + " | ".join(f"{a} (seeds {', '.join(map(str, sorted(s)))})"
+                                       for a, s in with_curve.items()) + " |",
+             "|---|" + "---|" * len(with_curve)]
+    base = with_curve.get("vanilla", {})
+    for i, t in enumerate(points):
+        cells = []
+        for arch, seeds in with_curve.items():
+            shared = sorted(set(seeds) & set(base)) if arch != "vanilla" else []
+            gap = [seeds[s][t] - base[s][t] for s in shared]
+            cells.append(f"{mean[arch][i]:.3f}" + (
+                f" ({statistics.mean(gap):+.3f}" + (f" ± {statistics.stdev(gap):.3f}"
+                                                     if len(gap) > 1 else "") + ")" if gap else ""))
+        lines.append(f"| {t / 1e6:.2f}M | " + " | ".join(cells) + " |")
+    flops = {a: next(r["flops_per_token"] for r in runs if r["architecture"] == a) for a in mean}
+    _plot_wikitext({a: list(zip(points, v)) for a, v in mean.items()}, flops, cell,
+                   img / f"trained_{cell}_wikitext.png")
+    return lines
+
+
+def _plot_wikitext(by_tokens: dict, flops_per_token: dict, cell: str, path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(10, 4), dpi=100)
+    FigureCanvasAgg(figure)
+    for i, (scale, xlabel) in enumerate(((lambda a: 1.0, "training tokens"),
+                                         (lambda a: flops_per_token[a], "training FLOPs"))):
+        axes = figure.add_subplot(1, 2, i + 1)
+        for arch, points in by_tokens.items():
+            axes.plot([t * scale(arch) for t, _ in points], [v for _, v in points], marker="o",
+                      label=arch)
+        axes.set(xlabel=xlabel, ylabel="WikiText-2 loss (out of domain)",
+                 title=f"{cell}, best LR each, at the kept checkpoints")
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path)
 
 
 def _plot(cell: str, by_tokens, by_flops, H: float) -> None:

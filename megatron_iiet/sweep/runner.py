@@ -396,23 +396,36 @@ def run_result(plan: SweepPlan, run: RunPlan) -> dict:
 
 
 def _extra_losses(plan: SweepPlan, results: list[dict], extra: list[ExtraValid]) -> None:
-    """The final checkpoint of each finished run on each extra validation set (one process)."""
+    """Each finished run on each extra validation set, at every checkpoint it kept (one process):
+    ``valid_loss_NAME`` at its final checkpoint, ``loss_curve_NAME`` as (tokens, loss) at all of
+    them (a run keeps its quarter checkpoints with ``checkpoint.keep_last`` >= 5)."""
     if not extra:
         return
     from megatron_iiet.eval.checkpoint import load_for_inference
     from megatron_iiet.hf.megatron_model import one_process_group
     from megatron_iiet.iiad.influence import calibration_batches, mean_loss
+    from megatron_iiet.training.checkpoint_index import defect, list_checkpoints, step_of
 
     with one_process_group():
         for result in results:
             run = plan.run(result["name"])
-            if result["status"] != "finished" or not (run_dir(plan, run) / "checkpoints").is_dir():
+            root = run_dir(plan, run) / "checkpoints"
+            kept = [c for c in list_checkpoints(root) if defect(c) is None]
+            if result["status"] != "finished" or not kept:
                 continue  # a committed result keeps the extra losses it was collected with
-            loaded = load_for_inference(run_dir(plan, run) / "checkpoints", with_tokenizer=False)
-            for ev in extra:
-                batches = calibration_batches(ev.prefix, ev.batches, ev.batch_size,
-                                              loaded.max_length)
-                result[f"valid_loss_{ev.name}"] = mean_loss(loaded.model, batches)
+            per_step = run.tokens / run.train_steps
+            curves: dict[str, list] = {ev.name: [] for ev in extra}
+            for ckpt in kept:
+                loaded = load_for_inference(ckpt, with_tokenizer=False)
+                for ev in extra:
+                    batches = calibration_batches(ev.prefix, ev.batches, ev.batch_size,
+                                                  loaded.max_length)
+                    curves[ev.name].append((step_of(ckpt) * per_step,
+                                            mean_loss(loaded.model, batches)))
+            for name, curve in curves.items():
+                result[f"loss_curve_{name}"] = curve
+                if step_of(kept[-1]) == run.train_steps:
+                    result[f"valid_loss_{name}"] = curve[-1][1]
 
 
 def collect(plan: SweepPlan, extra: Optional[list[ExtraValid]] = None) -> list[dict]:
@@ -448,13 +461,16 @@ def _write_json(path: Path, data) -> None:
 def _write_csv(path: Path, results: list[dict]) -> None:
     from megatron_iiet.data.atomic import write_bytes_atomic
 
-    columns = [k for k in results[0] if k != "loss_curve"] if results else []
+    def scalar(key: str) -> bool:  # the curves stay in results.json
+        return not key.endswith("_curve") and not key.startswith("loss_curve")
+
+    columns = [k for k in results[0] if scalar(k)] if results else []
     for r in results:
-        columns += [k for k in r if k not in columns and k != "loss_curve"]
+        columns += [k for k in r if k not in columns and scalar(k)]
     text = io.StringIO()
     writer = csv.DictWriter(text, fieldnames=columns, extrasaction="ignore")
     writer.writeheader()
     for r in results:
         writer.writerow({k: ("" if isinstance(v, float) and math.isnan(v) else v)
-                         for k, v in r.items() if k != "loss_curve"})
+                         for k, v in r.items() if scalar(k)})
     write_bytes_atomic(path, text.getvalue().encode())

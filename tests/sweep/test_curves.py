@@ -149,6 +149,31 @@ def test_the_reports_seed_tests_pair_only_the_seeds_both_architectures_ran():
     assert report.best_lr(runs, "iiet") == (4e-3, "no: 1 grid LR, so the best is at an edge")
 
 
+def test_the_reports_wikitext_curves_average_the_shared_checkpoints_and_pair_by_seed(tmp_path):
+    """wikitext_curve_lines: each architecture at its best LR, the mean over its seeds with a curve
+    at the token counts every curve has (a preemption's extra checkpoint is left out), and the gap
+    to vanilla within each seed both ran; the PNG is drawn."""
+    report = _report_module()
+
+    def run(arch, lr, seed, loss, curve, grid=True):
+        return {"architecture": arch, "lr": lr, "seed": seed, "grid": grid, "valid_loss": loss,
+                "flops_per_token": 1.0, "loss_curve_wikitext": curve}
+
+    runs = [run("vanilla", 4e-3, 1234, 4.0, None),                       # no checkpoints left
+            run("vanilla", 2e-3, 1234, 4.1, None),
+            run("vanilla", 4e-3, 1, 4.0, [(1e6, 6.5), (2e6, 6.1)], grid=False),
+            run("vanilla", 4e-3, 2, 4.0, [(1e6, 6.7), (2e6, 6.3)], grid=False),
+            run("iiet", 2e-3, 1234, 3.9, None),
+            run("iiet", 2e-3, 1, 3.9, [(1e6, 6.6), (1.5e6, 6.2), (2e6, 6.0)], grid=False),
+            run("iiet", 2e-3, 2, 3.9, [(1e6, 6.7), (2e6, 6.2)], grid=False)]
+    lines = report.wikitext_curve_lines("c", runs, img=tmp_path)
+    assert lines[3] == "| tokens | vanilla (seeds 1, 2) | iiet (seeds 1, 2) |"
+    assert lines[5:] == ["| 1.00M | 6.600 | 6.650 (+0.050 ± 0.071) |",
+                         "| 2.00M | 6.200 | 6.100 (-0.100 ± 0.000) |"]
+    assert (tmp_path / "trained_c_wikitext.png").stat().st_size > 10_000
+    assert report.wikitext_curve_lines("c", [r for r in runs if r["seed"] == 1234]) == []
+
+
 def _report_module():
     """examples/trained_regime_report.py, which is a script, not a package module."""
     import importlib.util

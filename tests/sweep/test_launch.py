@@ -86,12 +86,23 @@ def test_launch_kill_relaunch_collect(tmp_path, tiny_data):
     assert len(done) == 2 and "valid loss" in done[0] and "1 left, ETA" in done[0], done
     assert done[1].endswith("0 left"), done
 
-    collected = _cli("collect", sweep)
+    # An extra validation set (here the training data itself) at every checkpoint each run kept.
+    collected = _cli("collect", sweep, "--extra-valid", f"again={tiny_data.data_prefix}")
     assert collected.returncode == 0, collected.stderr[-3000:]
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert len(results) == 3 and all(r["status"] == "finished" for r in results)
     assert all(r["valid_loss"] is not None and r["loss_curve"] for r in results)
     assert all(r["steps_done"] == r["train_steps"] == 64 for r in results)  # not the last log
+    for r in results:
+        from megatron_iiet.training.checkpoint_index import list_checkpoints, step_of
+
+        kept = [step_of(c) for c in list_checkpoints(runs / r["name"] / "checkpoints")]
+        per_step = r["tokens"] / r["train_steps"]
+        assert [t for t, _ in r["loss_curve_again"]] == [s * per_step for s in kept], r["name"]
+        assert len(kept) >= 2 and kept[-1] == 64  # (tiny_iiet.yaml keeps the last two)
+        assert r["valid_loss_again"] == r["loss_curve_again"][-1][1]
+    best = next(r for r in results if r["lr"] == 3e-3 and r["size"] == "xs")
+    assert best["loss_curve_again"][0][1] > best["valid_loss_again"]  # still learning at the end
     # three runs of one architecture cannot pin a law: said, and no empty residual plot
     fitted = _cli("fit", sweep, "--bootstrap", "2")
     assert fitted.returncode == 0, fitted.stderr[-3000:]
