@@ -148,6 +148,8 @@ def wikitext_curve_lines(cell: str, runs: list[dict], img: Path = REPO / "docs" 
     if not with_curve:
         return []
     points = sorted(set.intersection(*(set(c) for s in with_curve.values() for c in s.values())))
+    # the last quarter's checkpoint sits a step or two before the final one: keep the final
+    points = [t for i, t in enumerate(points) if i + 1 == len(points) or points[i + 1] > 1.005 * t]
     mean = {a: [statistics.mean(c[t] for c in s.values()) for t in points]
             for a, s in with_curve.items()}
     lines = ["", "WikiText-2 loss at the kept checkpoints, best LR each (mean over the seeds "
