@@ -132,7 +132,8 @@ def report(cell: str, H: float) -> str:
     return "\n".join(lines)
 
 
-def wikitext_curve_lines(cell: str, runs: list[dict], img: Path = REPO / "docs" / "img") -> list[str]:
+def wikitext_curve_lines(cell: str, runs: list[dict],
+                         img: Path = REPO / "docs" / "img") -> list[str]:
     """WikiText-2 (out of domain) along the run, from the checkpoints each run kept (``collect
     --extra-valid``; only runs collected where their checkpoints still were have it): each
     architecture at its best LR, mean over the seeds with a curve, at the token counts every one
@@ -150,6 +151,8 @@ def wikitext_curve_lines(cell: str, runs: list[dict], img: Path = REPO / "docs" 
     points = sorted(set.intersection(*(set(c) for s in with_curve.values() for c in s.values())))
     # the last quarter's checkpoint sits a step or two before the final one: keep the final
     points = [t for i, t in enumerate(points) if i + 1 == len(points) or points[i + 1] > 1.005 * t]
+    if not points:  # the runs kept no checkpoint at a common token count
+        return []
     mean = {a: [statistics.mean(c[t] for c in s.values()) for t in points]
             for a, s in with_curve.items()}
     lines = ["", "WikiText-2 loss at the kept checkpoints, best LR each (mean over the seeds "
