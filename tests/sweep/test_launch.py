@@ -93,9 +93,9 @@ def test_launch_kill_relaunch_collect(tmp_path, tiny_data):
     assert len(results) == 3 and all(r["status"] == "finished" for r in results)
     assert all(r["valid_loss"] is not None and r["loss_curve"] for r in results)
     assert all(r["steps_done"] == r["train_steps"] == 64 for r in results)  # not the last log
-    for r in results:
-        from megatron_iiet.training.checkpoint_index import list_checkpoints, step_of
+    from megatron_iiet.training.checkpoint_index import list_checkpoints, step_of
 
+    for r in results:
         kept = [step_of(c) for c in list_checkpoints(runs / r["name"] / "checkpoints")]
         per_step = r["tokens"] / r["train_steps"]
         assert [t for t, _ in r["loss_curve_again"]] == [s * per_step for s in kept], r["name"]
