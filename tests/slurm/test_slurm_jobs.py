@@ -55,15 +55,26 @@ def job_exit_code(job: str) -> int:
     return int(code.split(":")[0]) or (1 if job_field(job, "JobState") != "COMPLETED" else 0)
 
 
+def _query(cmd, patience: float = 60):
+    """A squeue/scontrol query, asked again while slurmctld does not answer (it times out on a
+    loaded machine): an empty answer must mean "no such job", never "no reply"."""
+    deadline = time.time() + patience
+    while True:
+        proc = _run(cmd)
+        if proc.returncode == 0 or "Invalid job id" in proc.stderr or time.time() > deadline:
+            return proc
+        time.sleep(1)
+
+
 def job_field(job: str, field: str):
-    out = _run(["scontrol", "show", "job", job]).stdout
+    out = _query(["scontrol", "show", "job", job]).stdout
     m = re.search(rf"\b{field}=(\S+)", out)
     return m.group(1) if m else None
 
 
 def wait_for_jobs(*jobs: str, timeout: float = 600) -> None:
     deadline = time.time() + timeout
-    while _run(["squeue", "-h", "-j", ",".join(jobs)]).stdout.strip():
+    while _query(["squeue", "-h", "-j", ",".join(jobs)]).stdout.strip():
         assert time.time() < deadline, _run(["squeue", "-j", ",".join(jobs)]).stdout
         time.sleep(0.3)
 
@@ -152,8 +163,7 @@ def preempt_once(job: str, started, what: str) -> None:
         while not started():
             assert time.time() < deadline, f"{what} did not get going within 300 s"
             state = job_field(job, "JobState")
-            # None: scontrol did not answer (slurmctld times out on a loaded machine); ask again
-            assert state in (None, "PENDING", "CONFIGURING", "RUNNING"), f"{what} ended: {state}"
+            assert state in ("PENDING", "CONFIGURING", "RUNNING"), f"{what} ended: {state}"
             time.sleep(0.05)
         assert _run(["scancel", "--batch", "--signal=USR1", job]).returncode == 0
         release_requeued(job)
