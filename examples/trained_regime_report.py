@@ -63,35 +63,67 @@ def mean_curve(curves: list[list]) -> list[tuple[float, float]]:
 def seed_test_lines(runs: list[dict]) -> list[str]:
     """At each architecture's best LR, for every pair with at least two seeds each: Welch's t-test
     on the held-out losses, and (where the pair shares two or more seeds) the paired t-test on the
-    per-seed differences; a seed fixes the data order, so pairing removes that part of the
-    noise. Both from scipy; they say whether a gap is larger than the seeds' spread."""
+    per-seed differences, at the end and along the run; a seed fixes the data order, so pairing
+    removes that part of the noise. Both from scipy; they say whether a gap is larger than the
+    seeds' spread."""
     from itertools import combinations
 
-    from scipy.stats import ttest_ind, ttest_rel
+    from scipy.stats import ttest_ind
 
-    at_best: dict[str, dict[int, float]] = {}
+    at_best: dict[str, dict[int, dict]] = {}
     for arch in ARCHS:
         if any(r["architecture"] == arch and r["grid"] for r in runs):
             lr, _ = best_lr(runs, arch)
-            at_best[arch] = {r["seed"]: r["valid_loss"] for r in runs
+            at_best[arch] = {r["seed"]: r for r in runs
                              if r["architecture"] == arch and r["lr"] == lr}
-    welch, paired = [], []
+    welch, paired, along = [], [], []
     for a, b in combinations([a for a, v in at_best.items() if len(v) >= 2], 2):
-        va, vb = list(at_best[a].values()), list(at_best[b].values())
+        va = [r["valid_loss"] for r in at_best[a].values()]
+        vb = [r["valid_loss"] for r in at_best[b].values()]
         result = ttest_ind(va, vb, equal_var=False)
         gap = statistics.mean(va) - statistics.mean(vb)
         welch.append(f"{a} - {b} {gap:+.3f} (t = {result.statistic:.2f}, p = {result.pvalue:.2f})")
         seeds = sorted(set(at_best[a]) & set(at_best[b]))
         if len(seeds) >= 2:
-            diffs = [at_best[a][s] - at_best[b][s] for s in seeds]
-            result = ttest_rel([at_best[a][s] for s in seeds], [at_best[b][s] for s in seeds])
+            diffs = [at_best[a][s]["valid_loss"] - at_best[b][s]["valid_loss"] for s in seeds]
+            mean, t, p = paired_gap(diffs)
             paired.append(f"{a} - {b} " + " / ".join(f"{d:+.3f}" for d in diffs)
-                          + f" (mean {statistics.mean(diffs):+.3f}, t = {result.statistic:.2f}, "
-                          f"p = {result.pvalue:.2f}, {len(seeds)} seeds)")
+                          + f" (mean {mean:+.3f}, t = {t:.2f}, p = {p:.2f}, {len(seeds)} seeds)")
+            along.append(f"{a} - {b}: " + "; ".join(
+                curve_gap_points([at_best[a][s]["loss_curve"] for s in seeds],
+                                 [at_best[b][s]["loss_curve"] for s in seeds])))
     lines = ["", "Welch's t-test at the best LRs: " + "; ".join(welch)] if welch else []
     if paired:
-        lines += ["", "Paired by seed at the best LRs: " + "; ".join(paired)]
+        lines += ["", "Paired by seed at the best LRs: " + "; ".join(paired),
+                  "", "Along the run, paired by seed (tokens: mean ± sd of the differences, p):",
+                  *[f"- {line}" for line in along]]
     return lines
+
+
+def paired_gap(diffs: list[float]) -> tuple[float, float, float]:
+    """Mean, t and two-sided p of per-seed differences (scipy's one-sample t-test against 0,
+    the same as its paired test on the two columns)."""
+    from scipy.stats import ttest_1samp
+
+    result = ttest_1samp(diffs, 0.0)
+    return statistics.mean(diffs), float(result.statistic), float(result.pvalue)
+
+
+def curve_gap_points(curves_a: list[list], curves_b: list[list], every: int = 3) -> list[str]:
+    """Held-out loss of A minus B seed by seed at the validations both reached: every `every`-th
+    token count and the last, as mean ± sd of the per-seed differences with the paired p."""
+    shared = set.intersection(*[{t for t, _ in c} for c in curves_a + curves_b])
+    tokens = sorted(shared)
+    if not tokens:
+        return ["no validation token count shared by every seed"]
+    picks = tokens[::every] + ([tokens[-1]] if (len(tokens) - 1) % every else [])
+    as_dicts = [dict(map(tuple, c)) for c in curves_a], [dict(map(tuple, c)) for c in curves_b]
+    points = []
+    for t in picks:
+        diffs = [ca[t] - cb[t] for ca, cb in zip(*as_dicts)]
+        mean, _, p = paired_gap(diffs)
+        points.append(f"{t / 1e6:.1f}M {mean:+.3f} ± {statistics.stdev(diffs):.3f} (p = {p:.2f})")
+    return points
 
 
 def report(cell: str, H: float) -> str:
@@ -231,8 +263,6 @@ def compare(cell_a: str, cell_b: str) -> str:
     """Each architecture at its best LR in two cells of equal tokens (e.g. our recipe and the
     release's), paired by seed: the same initialisation and data order, so the per-seed
     difference carries less noise than the two means do (paired t-test, scipy)."""
-    from scipy.stats import ttest_rel
-
     def best_by_seed(cell):
         runs = [r for r in json.loads((RESULTS / cell / "results.json").read_text())
                 if r["status"] == "finished"]
@@ -254,8 +284,8 @@ def compare(cell_a: str, cell_b: str) -> str:
         diffs = [b[arch][1][s] - a[arch][1][s] for s in seeds]
         test = ""
         if len(seeds) >= 2:
-            result = ttest_rel([b[arch][1][s] for s in seeds], [a[arch][1][s] for s in seeds])
-            test = f" ± {statistics.stdev(diffs):.3f} (t = {result.statistic:.2f}, p = {result.pvalue:.2f})"
+            _, t, p = paired_gap(diffs)
+            test = f" ± {statistics.stdev(diffs):.3f} (t = {t:.2f}, p = {p:.2f})"
         lines.append(f"| {arch} | {a[arch][0]:.3g} / {b[arch][0]:.3g} | "
                      + ", ".join(f"{s}: {d:+.3f}" for s, d in zip(seeds, diffs))
                      + f" | {statistics.mean(diffs):+.3f}{test} |")

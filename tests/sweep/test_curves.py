@@ -128,24 +128,33 @@ def test_the_reports_iiad_share_is_the_students_part_of_iiets_gain_over_vanilla(
 def test_the_reports_seed_tests_pair_only_the_seeds_both_architectures_ran():
     """seed_test_lines: Welch over every seed at each best LR; the paired test over the shared seeds,
     each difference taken within one seed (same data order), so a seed only one side ran is
-    left out of the pairing."""
+    left out of the pairing; along the run the same pairing at the validations every paired seed
+    reached."""
 
     from scipy.stats import ttest_rel
 
     report = _report_module()
 
-    def run(arch, lr, seed, loss, grid=True):
-        return {"architecture": arch, "lr": lr, "seed": seed, "grid": grid, "valid_loss": loss}
+    def run(arch, lr, seed, loss, grid=True, early=0.0):
+        # validations at 1M, 2M and 3M tokens; `early` is added at 1M only
+        curve = [[1e6, loss + 0.3 + early], [2e6, loss + 0.1], [3e6, loss]]
+        return {"architecture": arch, "lr": lr, "seed": seed, "grid": grid, "valid_loss": loss,
+                "loss_curve": curve}
 
     runs = [run("vanilla", 4e-3, 1234, 4.00), run("vanilla", 8e-3, 1234, 3.95),
             run("vanilla", 8e-3, 1, 3.98, grid=False), run("vanilla", 8e-3, 2, 3.97, grid=False),
-            run("iiet", 4e-3, 1234, 3.93), run("iiet", 4e-3, 1, 3.97, grid=False),
+            run("iiet", 4e-3, 1234, 3.93, early=0.2), run("iiet", 4e-3, 1, 3.97, grid=False),
             run("iiet", 4e-3, 7, 3.50, grid=False)]          # seed 7: iiet only, not paired
-    welch, paired = [line for line in report.seed_test_lines(runs) if line]
+    welch, paired, heading, along = [line for line in report.seed_test_lines(runs) if line]
     assert welch.startswith("Welch's t-test at the best LRs: vanilla - iiet +0.167 ")
     expected = ttest_rel([3.95, 3.98], [3.93, 3.97])
     assert paired == ("Paired by seed at the best LRs: vanilla - iiet +0.010 / +0.020 (mean "
                       f"+0.015, t = {expected.statistic:.2f}, p = {expected.pvalue:.2f}, 2 seeds)")
+    assert heading.startswith("Along the run, paired by seed")
+    # at 1M tokens the per-seed differences are -0.180 and +0.010; at the end +0.020 and +0.010
+    at_1m = ttest_rel([4.25, 4.28], [4.43, 4.27])
+    assert along == (f"- vanilla - iiet: 1.0M -0.085 ± 0.134 (p = {at_1m.pvalue:.2f}); "
+                     f"3.0M +0.015 ± 0.007 (p = {expected.pvalue:.2f})")
     assert report.best_lr(runs, "iiet") == (4e-3, "no: 1 grid LR, so the best is at an edge")
 
 
