@@ -123,16 +123,20 @@ class PreemptionHandler:
             self._raise = previous
         self._raise_if_received()  # a signal that came while suspended
 
+    _LAUNCHER_GONE = 1000  # above every signal number, so a lost launcher outranks a signal
+
     def _local_reason(self) -> tuple[int, Optional[str]]:
-        """(code, reason): 0 nothing, 1 a signal, 2 the launcher is gone."""
+        """(code, reason): 0 nothing, the signal's number, or _LAUNCHER_GONE."""
         if self._launcher is not None and os.getppid() != self._launcher:
-            return 2, f"the launcher (torchrun, pid {self._launcher}) is gone"
+            return self._LAUNCHER_GONE, f"the launcher (torchrun, pid {self._launcher}) is gone"
         if self.received:
-            return 1, f"{signal.Signals(self.received).name} received"
+            return int(self.received), f"{signal.Signals(self.received).name} received"
         return 0, None
 
     def stop_requested(self) -> bool:
-        """True on every rank if any rank was signalled or lost its launcher."""
+        """True on every rank if any rank was signalled or lost its launcher. A launcher such as
+        torchrun forwards a signal to one rank after another, so a rank may learn of it from the
+        others first: its reason then names the signal another rank received."""
         import torch
         import torch.distributed as dist
 
@@ -142,7 +146,10 @@ class PreemptionHandler:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         agreed = int(flag.item())
         if agreed and self.reason is None:
-            self.reason = local if code == agreed else (
-                "the launcher is gone (seen by another rank)" if agreed == 2
-                else "a preemption signal reached another rank")
+            if code == agreed:
+                self.reason = local
+            elif agreed == self._LAUNCHER_GONE:
+                self.reason = "the launcher is gone (seen by another rank)"
+            else:
+                self.reason = f"{signal.Signals(agreed).name} received by another rank"
         return bool(agreed)

@@ -140,6 +140,29 @@ def test_preemption_callback_saves_and_stops_after_the_step_with_the_signal(tmp_
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["iter_0000002", "latest"]
 
 
+def _agree_on_a_stop(rank: int, store_path: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    try:
+        handler = PreemptionHandler()
+        handler.received = signal.SIGUSR1 if rank == 1 else 0  # as if torchrun reached rank 1 first
+        stop = handler.stop_requested()
+        Path(out, f"rank{rank}.json").write_text(json.dumps([stop, handler.reason]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_without_the_signal_stops_too_and_names_the_signal_another_rank_got(tmp_path):
+    # torchrun forwards a signal to one rank after another: the step's all-reduce can reach a rank
+    # before the signal does (two gloo processes, one signalled)
+    torch.multiprocessing.spawn(_agree_on_a_stop, args=(str(tmp_path / "store"), str(tmp_path)),
+                                nprocs=2)
+    assert json.loads((tmp_path / "rank1.json").read_text()) == [True, "SIGUSR1 received"]
+    assert json.loads((tmp_path / "rank0.json").read_text()) == [
+        True, "SIGUSR1 received by another rank"]
+
+
 def test_exit_interval_saves_and_stops_after_that_many_steps_of_this_run(tmp_path):
     manager = CheckpointManager(str(tmp_path / "ckpt"), keep_last=0, log=lambda _: None)
     trainer = _trainer(tmp_path, [ExitIntervalCallback(2), CheckpointCallback(manager, 0, 3)],

@@ -53,10 +53,12 @@ def torchrun_reference(tiny_data, tmp_path_factory):
 
 def test_sigterm_to_torchrun_saves_every_rank_and_resumes_exactly(
         tiny_data, torchrun_reference, tmp_path):
-    # torchrun forwards SIGTERM to each rank's process group: data-loader workers included
+    # torchrun forwards SIGTERM to each rank's process group (data-loader workers included), one
+    # rank after another: under load rank 0 may hear of it from rank 1 at the step's all-reduce
+    # first, and its record then names the signal rank 1 received
     proc, stop = _preempted_then_resumed(tiny_data, tmp_path / "run", torchrun_reference,
                                          TORCHRUN, 2, lambda p: p.send_signal(signal.SIGTERM))
-    assert stop["reason"] == "SIGTERM received"
+    assert stop["reason"] in ("SIGTERM received", "SIGTERM received by another rank")
 
 
 SINGLE = {"schedule.train_steps": STEPS}
