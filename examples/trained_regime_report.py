@@ -42,16 +42,27 @@ def mean_sd(values: list[float]) -> str:
 
 
 def best_lr(runs: list[dict], arch: str) -> tuple[float, str]:
-    """The grid LR of lowest mean held-out loss, and whether it lies inside the grid run so far."""
+    """The grid LR of lowest mean held-out loss, and whether it lies inside the grid run so far;
+    in a cell that fixes the architecture's LR (``lr.values``, carried from another cell), that
+    LR."""
     by_lr: dict[float, list[float]] = {}
     for r in runs:
         if r["architecture"] == arch and r["grid"] and r["valid_loss"] is not None:
             by_lr.setdefault(r["lr"], []).append(r["valid_loss"])
+    if not by_lr:
+        fixed = {r["lr"] for r in runs if r["architecture"] == arch}
+        if len(fixed) != 1:
+            raise ValueError(f"{arch}: no grid runs and {len(fixed)} LRs")
+        return fixed.pop(), "no: a fixed LR, not tuned in this cell"
     lrs = sorted(by_lr)
     best = min(lrs, key=lambda lr: statistics.mean(by_lr[lr]))
     if len(lrs) < 3:
         return best, f"no: {len(lrs)} grid LR{'s' if len(lrs) > 1 else ''}, so the best is at an edge"
     return best, "yes" if 0 < lrs.index(best) < len(lrs) - 1 else "no: at its edge"
+
+
+def ran(runs: list[dict], arch: str) -> bool:
+    return any(r["architecture"] == arch for r in runs)
 
 
 def mean_curve(curves: list[list]) -> list[tuple[float, float]]:
@@ -72,7 +83,7 @@ def seed_test_lines(runs: list[dict]) -> list[str]:
 
     at_best: dict[str, dict[int, dict]] = {}
     for arch in ARCHS:
-        if any(r["architecture"] == arch and r["grid"] for r in runs):
+        if ran(runs, arch):
             lr, _ = best_lr(runs, arch)
             at_best[arch] = {r["seed"]: r for r in runs
                              if r["architecture"] == arch and r["lr"] == lr}
@@ -142,7 +153,7 @@ def report(cell: str, H: float) -> str:
               "WikiText-2 at best |", "|---|---|---|---|"]
     curves_tokens, curves_flops = {}, {}
     for arch in ARCHS:
-        if not any(r["architecture"] == arch and r["grid"] for r in runs):
+        if not ran(runs, arch):
             continue
         lr, bracketed = best_lr(runs, arch)
         at_best = [r for r in runs if r["architecture"] == arch and r["lr"] == lr]
@@ -172,7 +183,7 @@ def wikitext_curve_lines(cell: str, runs: list[dict],
     of them has, and each minus vanilla paired by seed. Draws ``img``/trained_CELL_wikitext.png."""
     with_curve = {}
     for arch in ARCHS:
-        if any(r["architecture"] == arch and r["grid"] for r in runs):
+        if ran(runs, arch):
             lr, _ = best_lr(runs, arch)
             seeds = {r["seed"]: dict(map(tuple, r["loss_curve_wikitext"])) for r in runs
                      if r["architecture"] == arch and r["lr"] == lr and r.get("loss_curve_wikitext")}
@@ -268,7 +279,7 @@ def compare(cell_a: str, cell_b: str) -> str:
                 if r["status"] == "finished"]
         out = {}
         for arch in ARCHS:
-            if any(r["architecture"] == arch and r["grid"] for r in runs):
+            if ran(runs, arch):
                 lr, _ = best_lr(runs, arch)
                 out[arch] = (lr, {r["seed"]: r["valid_loss"] for r in runs
                                   if r["architecture"] == arch and r["lr"] == lr})

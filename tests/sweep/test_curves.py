@@ -156,6 +156,9 @@ def test_the_reports_seed_tests_pair_only_the_seeds_both_architectures_ran():
     assert along == (f"- vanilla - iiet: 1.0M -0.085 ± 0.134 (p = {at_1m.pvalue:.2f}); "
                      f"3.0M +0.015 ± 0.007 (p = {expected.pvalue:.2f})")
     assert report.best_lr(runs, "iiet") == (4e-3, "no: 1 grid LR, so the best is at an edge")
+    # a cell that fixes an architecture's LR (lr.values: every run off the grid, one LR)
+    fixed = [run("vanilla", 8e-3, seed, 3.9, grid=False) for seed in (1234, 1)]
+    assert report.best_lr(fixed, "vanilla") == (8e-3, "no: a fixed LR, not tuned in this cell")
 
 
 def test_the_reports_wikitext_curves_average_the_shared_checkpoints_and_pair_by_seed(tmp_path):

@@ -2,6 +2,7 @@
 torch's FlopCounterMode over a forward, every pass included), and a bad sweep is one line
 before anything runs."""
 
+import json
 import os
 from pathlib import Path
 
@@ -142,7 +143,8 @@ def test_the_example_sweeps_plan(name, runs):
 def test_the_trained_regime_cells_plan(cell):
     """Issue 31's cells keep what the issue asks of them: >= 3k optimizer steps, equal tokens for
     every architecture, the tokens per (vanilla) parameter their name says, every architecture's
-    LR tuned on a grid of its own."""
+    LR tuned on a grid of its own, or (a cell at 47 that fixes its LRs) the best LR of the
+    committed cell at 20 with the same recipe."""
     from megatron_iiet.sweep.plan import plan_sweep
 
     plan = plan_sweep(REPO / "examples" / "sweeps" / "trained" / f"{cell}.yaml",
@@ -153,7 +155,16 @@ def test_the_trained_regime_cells_plan(cell):
     vanilla = next(r for r in plan.runs if r.architecture == "vanilla")
     ratio = int(cell.split("_")[1].removesuffix("tpp"))
     assert vanilla.tokens / vanilla.params == pytest.approx(ratio, rel=0.01)
-    for arch in ("vanilla", "pcformer_rk2", "iiet"):
+    fixed = {r.architecture: r.lr for r in plan.runs if not r.grid and r.lr is not None}
+    if fixed:
+        from tests.sweep.test_curves import _report_module
+
+        at_20 = REPO / "results" / "trained" / cell.replace("_47tpp", "_20tpp") / "results.json"
+        assert "_47tpp" in cell and at_20.is_file(), f"{cell}: fixed LRs, but from which cell?"
+        runs = [r for r in json.loads(at_20.read_text()) if r["status"] == "finished"]
+        best = {arch: _report_module().best_lr(runs, arch)[0] for arch in fixed}
+        assert fixed == best, f"{cell}: fixed LRs {fixed}, but {at_20.parent.name}'s best are {best}"
+    for arch in set(("vanilla", "pcformer_rk2", "iiet")) - set(fixed):
         assert len({r.lr for r in plan.runs if r.architecture == arch and r.grid}) >= 2, arch
 
 
