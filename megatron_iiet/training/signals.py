@@ -146,8 +146,8 @@ class PreemptionHandler:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         agreed = int(flag.item())
         if agreed and self.reason is None:
-            if code == agreed:
-                self.reason = local
+            if code == agreed or (code and agreed != self._LAUNCHER_GONE):
+                self.reason = local  # its own signal, even where another rank got a different one
             elif agreed == self._LAUNCHER_GONE:
                 self.reason = "the launcher is gone (seen by another rank)"
             else:
