@@ -61,8 +61,16 @@ def best_lr(runs: list[dict], arch: str) -> tuple[float, str]:
     return best, "yes" if 0 < lrs.index(best) < len(lrs) - 1 else "no: at its edge"
 
 
-def ran(runs: list[dict], arch: str) -> bool:
-    return any(r["architecture"] == arch for r in runs)
+def at_best_lr(runs: list[dict]) -> dict[str, tuple[float, str, dict[int, dict]]]:
+    """Per architecture of the cell: its best LR, whether that lies inside the grid, and its runs
+    at that LR by seed."""
+    out = {}
+    for arch in ARCHS:
+        if any(r["architecture"] == arch for r in runs):
+            lr, inside = best_lr(runs, arch)
+            out[arch] = (lr, inside, {r["seed"]: r for r in runs
+                                      if r["architecture"] == arch and r["lr"] == lr})
+    return out
 
 
 def mean_curve(curves: list[list]) -> list[tuple[float, float]]:
@@ -81,12 +89,7 @@ def seed_test_lines(runs: list[dict]) -> list[str]:
 
     from scipy.stats import ttest_ind
 
-    at_best: dict[str, dict[int, dict]] = {}
-    for arch in ARCHS:
-        if ran(runs, arch):
-            lr, _ = best_lr(runs, arch)
-            at_best[arch] = {r["seed"]: r for r in runs
-                             if r["architecture"] == arch and r["lr"] == lr}
+    at_best = {arch: by_seed for arch, (_, _, by_seed) in at_best_lr(runs).items()}
     welch, paired, along = [], [], []
     for a, b in combinations([a for a, v in at_best.items() if len(v) >= 2], 2):
         va = [r["valid_loss"] for r in at_best[a].values()]
@@ -152,11 +155,8 @@ def report(cell: str, H: float) -> str:
     lines += ["", "| architecture | best LR (inside the grid?) | held-out at best | "
               "WikiText-2 at best |", "|---|---|---|---|"]
     curves_tokens, curves_flops = {}, {}
-    for arch in ARCHS:
-        if not ran(runs, arch):
-            continue
-        lr, bracketed = best_lr(runs, arch)
-        at_best = [r for r in runs if r["architecture"] == arch and r["lr"] == lr]
+    for arch, (lr, bracketed, by_seed) in at_best_lr(runs).items():
+        at_best = list(by_seed.values())
         wiki = [r["valid_loss_wikitext"] for r in at_best if r.get("valid_loss_wikitext")]
         lines.append(f"| {arch} | {lr:.3g} ({bracketed}) | "
                      f"{mean_sd([r['valid_loss'] for r in at_best])} | "
@@ -182,13 +182,11 @@ def wikitext_curve_lines(cell: str, runs: list[dict],
     architecture at its best LR, mean over the seeds with a curve, at the token counts every one
     of them has, and each minus vanilla paired by seed. Draws ``img``/trained_CELL_wikitext.png."""
     with_curve = {}
-    for arch in ARCHS:
-        if ran(runs, arch):
-            lr, _ = best_lr(runs, arch)
-            seeds = {r["seed"]: dict(map(tuple, r["loss_curve_wikitext"])) for r in runs
-                     if r["architecture"] == arch and r["lr"] == lr and r.get("loss_curve_wikitext")}
-            if seeds:
-                with_curve[arch] = seeds
+    for arch, (_, _, by_seed) in at_best_lr(runs).items():
+        seeds = {seed: dict(map(tuple, r["loss_curve_wikitext"])) for seed, r in by_seed.items()
+                 if r.get("loss_curve_wikitext")}
+        if seeds:
+            with_curve[arch] = seeds
     if not with_curve:
         return []
     points = sorted(set.intersection(*(set(c) for s in with_curve.values() for c in s.values())))
@@ -277,13 +275,8 @@ def compare(cell_a: str, cell_b: str) -> str:
     def best_by_seed(cell):
         runs = [r for r in json.loads((RESULTS / cell / "results.json").read_text())
                 if r["status"] == "finished"]
-        out = {}
-        for arch in ARCHS:
-            if ran(runs, arch):
-                lr, _ = best_lr(runs, arch)
-                out[arch] = (lr, {r["seed"]: r["valid_loss"] for r in runs
-                                  if r["architecture"] == arch and r["lr"] == lr})
-        return out
+        return {arch: (lr, {seed: r["valid_loss"] for seed, r in by_seed.items()})
+                for arch, (lr, _, by_seed) in at_best_lr(runs).items()}
 
     a, b = best_by_seed(cell_a), best_by_seed(cell_b)
     lines = [f"### {cell_b} minus {cell_a}, each at its best LR, paired by seed", "",
