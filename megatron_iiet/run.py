@@ -82,6 +82,7 @@ def train(cfg: TrainConfig, objective=None, callbacks: tuple[Callback, ...] = ()
     """Train as ``cfg`` says; ``objective`` replaces the language-model loss (step.Objective),
     ``callbacks`` run after the built-in ones."""
     from megatron_iiet.distributed import initialize, on_rank0
+    from megatron_iiet.platform import cpu_denormals_flushed
     from megatron_iiet.training.signals import PreemptionHandler
     from megatron_iiet.training.watchdog import collective_timeout_s
 
@@ -96,7 +97,7 @@ def train(cfg: TrainConfig, objective=None, callbacks: tuple[Callback, ...] = ()
         init_deepspeed_distributed()
     validate(cfg, dist.get_world_size())
     # Installed first, so that every helper process started below leaves the signals to us.
-    with PreemptionHandler() as preemption:
+    with PreemptionHandler() as preemption, cpu_denormals_flushed(par.flush_denormals):
         locks = on_rank0(lambda: _lock_run_directories(cfg, dist.get_world_size()))
         locks = locks if dist.get_rank() == 0 else ()  # the others got copies: rank 0 holds them
         try:

@@ -109,6 +109,10 @@ class ParallelSection:
     collective_timeout_s: Optional[float] = None
     """Timeout of every collective (gloo and NCCL, megatron's groups included); null:
     stall_timeout_s + 600, so that the watchdog names the stalled rank first (600 with it off)."""
+    flush_denormals: bool = True
+    """Without a GPU: flush subnormal floats to zero in CPU math (x86 FTZ/DAZ). Once attention
+    sharpens, subnormal inputs make each CPU step up to ~2x slower (docs/benchmarks.md,
+    "Subnormal floats on CPU"); the values flushed are below 1.2e-38. No effect on GPUs."""
 
 
 @dataclass
