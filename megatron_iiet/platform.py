@@ -175,8 +175,9 @@ def flush_cpu_denormals(enabled: bool) -> bool:
     alone with CUDA.
 
     Subnormal operands cost x86 cores a microcode assist per instruction: a CPU run's step time
-    doubled over its first few hundred steps and fell by ~45% with the
-    flush, its losses unchanged to the last bit (docs/benchmarks.md, "Subnormal floats on CPU").
+    doubled over its first few hundred steps (2-3% of its attention probabilities had become
+    subnormal) and fell by ~45% with the flush, its weights unchanged to the last bit
+    (docs/benchmarks.md, "Subnormal floats on CPU").
     The switch is per thread and a new thread copies its creator's, so OpenMP threads started
     before it keep the old mode: then the pool is released (omp_pause_resource_all) and the next
     parallel region starts fresh threads."""
