@@ -204,7 +204,7 @@ def cpu_denormals_flushed(enabled: bool):
             flush_cpu_denormals(before)
 
 
-_PROBE_SIZE = 1 << 20  # large enough that every intra-op thread gets a share of it
+_PROBE_SIZE = 1 << 20  # 32 of torch's 32768-element grains: a share for each of up to 32 threads
 
 
 def _subnormals_surviving() -> int:
