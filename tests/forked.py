@@ -109,6 +109,16 @@ def _child(argv, env, cwd, timeout, out: Path, err: Path, imported: Path, before
         if "ignore" in env.get("PYTHONWARNINGS", ""):
             warnings.simplefilter("ignore")
         atexit._clear()
+        # multiprocessing's exit hook (it shuts down the managers a script started, e.g.
+        # megatron-core's checkpoint-writer queue, and joins its children) is registered at
+        # import, in this process's parent: cleared above, a manager the script started would
+        # outlive it (one ~330 MB process per save test, ignoring SIGTERM as our helpers do).
+        # Registered afresh, for the script's own finalizers and children, not the parent's.
+        import multiprocessing.process
+        import multiprocessing.util
+        multiprocessing.util._finalizer_registry.clear()
+        multiprocessing.process._children.clear()
+        atexit.register(multiprocessing.util._exit_function)
         if timeout is not None:  # a child killed at the timeout shows where it hung
             import faulthandler
             faulthandler.dump_traceback_later(max(timeout - 1, timeout / 2), file=sys.stderr)
