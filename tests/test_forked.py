@@ -64,7 +64,7 @@ def test_a_hung_child_is_killed_at_the_timeout_and_shows_where_it_hung(tmp_path)
 
 
 MANAGER_SCRIPT = r'''
-import multiprocessing, signal, sys
+import multiprocessing, signal
 if __name__ == "__main__":
     # as the trainer's spawned helpers do: they ignore SIGTERM and end when the trainer exits
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
