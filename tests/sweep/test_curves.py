@@ -81,6 +81,41 @@ def test_the_reports_tail_gain_is_the_fall_from_60_percent_of_the_tokens_per_lr(
     assert not any("pcformer_rk2" in row for row in rows)
 
 
+def test_the_reports_train_vs_heldout_pairs_seeds_on_the_same_token_windows(tmp_path):
+    """trained_regime_report.py --train-vs-heldout: per window of tokens (from 20% of the run),
+    IIET minus the baseline on the logged training batches (steps turned into tokens) and on the
+    held-out validations inside the window, each averaged per seed, then over the seeds both
+    ran; the last column is held-out minus training."""
+    import json
+
+    report = _report_module()
+
+    def run(arch, seed, train, held):
+        # 100M tokens in 10 steps; training losses logged at steps 1..10, validations every 10M
+        return {"architecture": arch, "lr": 1e-3, "seed": seed, "status": "finished",
+                "grid": True, "valid_loss": held(100e6), "tokens": 100e6, "train_steps": 10,
+                "train_curve": [[step, train(step)] for step in range(1, 11)],
+                "loss_curve": [[m * 1e6, held(m * 1e6)] for m in range(10, 101, 10)]}
+
+    runs = [run("iiet", 1, lambda s: 4.0 - 0.01 * s, lambda t: 4.5),
+            run("vanilla", 1, lambda s: 4.1, lambda t: 4.55),
+            run("iiet", 2, lambda s: 4.0, lambda t: 4.5),
+            run("vanilla", 2, lambda s: 4.235, lambda t: 4.6),
+            run("vanilla", 3, lambda s: 9.0, lambda t: 9.0)]       # no IIET seed 3: not paired
+    (tmp_path / "cell").mkdir()
+    (tmp_path / "cell" / "results.json").write_text(json.dumps(runs))
+    rows = [r for r in report.train_against_heldout("cell", results=tmp_path).splitlines()
+            if r.startswith("| vanilla |")]
+    assert [r.split(" | ")[1] for r in rows] == ["20.0M-40.0M", "40.0M-60.0M", "60.0M-80.0M",
+                                                 "80.0M-100.0M"]
+    # (20M, 40M]: steps 3 and 4, validations at 30M and 40M. Seed 1: training -0.13 and -0.14,
+    # held-out -0.05; seed 2: -0.235 and -0.1. Held-out minus training: +0.085 and +0.135.
+    assert rows[0] == ("| vanilla | 20.0M-40.0M | -0.185 (-0.135 / -0.235) | "
+                       "-0.075 (-0.050 / -0.100) | +0.110 |")
+    # (80M, 100M]: steps 9 and 10 for seed 1
+    assert rows[3].startswith("| vanilla | 80.0M-100.0M | -0.215 (-0.195 / -0.235) |")
+
+
 def test_the_report_refuses_a_cell_without_committed_results_in_one_line():
     import subprocess
     import sys
