@@ -5,7 +5,7 @@ tokens and at equal FLOPs, and PNG curves (docs/img/trained_CELL_*.png). Prints 
 docs/scaling.md.
 
     python examples/trained_regime_report.py [CELL ...]      # default: every committed cell
-    python examples/trained_regime_report.py --compare CELL_A CELL_B   # paired by seed
+    python examples/trained_regime_report.py --compare CELL_A CELL_B   # paired by seed, by window
     python examples/trained_regime_report.py --tail-gain [CELL ...]     # the decay's gain by LR
     python examples/trained_regime_report.py --iiad CELL         # E-IIET students' share kept
     python examples/trained_regime_report.py --train-vs-heldout CELL  # IIET's lead, seen vs unseen
@@ -269,24 +269,25 @@ def _plot(cell: str, by_tokens, by_flops, H: float) -> None:
     figure.savefig(REPO / "docs" / "img" / f"trained_{cell}.png")
 
 
-def compare(cell_a: str, cell_b: str) -> str:
+def compare(cell_a: str, cell_b: str, windows: int = 4, results: Path = RESULTS) -> str:
     """Each architecture at its best LR in two cells of equal tokens (e.g. our recipe and the
     release's), paired by seed: the same initialisation and data order, so the per-seed
-    difference carries less noise than the two means do (paired t-test, scipy)."""
+    difference carries less noise than the two means do (paired t-test, scipy). Then the same
+    pairs by window of tokens, on the training batches and on the held-out book."""
     def best_by_seed(cell):
-        runs = [r for r in json.loads((RESULTS / cell / "results.json").read_text())
+        runs = [r for r in json.loads((results / cell / "results.json").read_text())
                 if r["status"] == "finished"]
-        return {arch: (lr, {seed: r["valid_loss"] for seed, r in by_seed.items()})
-                for arch, (lr, _, by_seed) in at_best_lr(runs).items()}
+        return {arch: (lr, by_seed) for arch, (lr, _, by_seed) in at_best_lr(runs).items()}
 
     a, b = best_by_seed(cell_a), best_by_seed(cell_b)
     lines = [f"### {cell_b} minus {cell_a}, each at its best LR, paired by seed", "",
              "| architecture | LRs | per seed | mean (paired t-test) |", "|---|---|---|---|"]
+    windowed = []
     for arch in ARCHS:
         if arch not in a or arch not in b:
             continue
         seeds = sorted(set(a[arch][1]) & set(b[arch][1]))
-        diffs = [b[arch][1][s] - a[arch][1][s] for s in seeds]
+        diffs = [b[arch][1][s]["valid_loss"] - a[arch][1][s]["valid_loss"] for s in seeds]
         test = ""
         if len(seeds) >= 2:
             _, t, p = paired_gap(diffs)
@@ -294,7 +295,10 @@ def compare(cell_a: str, cell_b: str) -> str:
         lines.append(f"| {arch} | {a[arch][0]:.3g} / {b[arch][0]:.3g} | "
                      + ", ".join(f"{s}: {d:+.3f}" for s, d in zip(seeds, diffs))
                      + f" | {statistics.mean(diffs):+.3f}{test} |")
-    return "\n".join(lines)
+        pairs = [(b[arch][1][s], a[arch][1][s]) for s in seeds]
+        windowed += window_rows(arch, pairs, token_windows(pairs, windows))
+    return "\n".join(lines + ["", f"{cell_b} minus {cell_a} by window of tokens, " + WINDOW_NOTE,
+                              ""] + WINDOW_HEADER + windowed)
 
 
 def iiad_share(cell: str, results: Path = RESULTS) -> str:
@@ -355,55 +359,73 @@ def tail_gain(cells: list[str], from_fraction: float = 0.6, results: Path = RESU
     return "\n".join(lines)
 
 
+WINDOW_NOTE = ("paired by seed (mean over seeds; per seed in brackets), training batches "
+               "against the held-out book")
+WINDOW_HEADER = ["| architecture | tokens | on training batches | on the held-out book | "
+                 "held-out minus training |", "|---|---|---|---|---|"]
+
+
+def train_and_heldout_curves(r: dict) -> tuple[dict[float, float], dict[float, float]]:
+    """A run's training and held-out losses by tokens seen."""
+    per_step = r["tokens"] / r["train_steps"]
+    return ({step * per_step: loss for step, loss in r["train_curve"]},
+            dict(map(tuple, r["loss_curve"])))
+
+
+def token_windows(pairs: list[tuple[dict, dict]], windows: int) -> list[float]:
+    """The edges of ``windows`` equal windows of the runs' tokens from 20% (past the warm-up's
+    spikes)."""
+    total = max(r["tokens"] for pair in pairs for r in pair)
+    return [total * (0.2 + 0.8 * i / windows) for i in range(windows + 1)]
+
+
+def window_rows(label: str, pairs: list[tuple[dict, dict]], edges: list[float]) -> list[str]:
+    """First minus second run of each pair (one pair per seed: the same training batches in
+    both), on the training batches and on the held-out book, averaged inside each window of
+    tokens per seed, then over the seeds."""
+    def window_mean(a: dict, b: dict, lo: float, hi: float) -> float | None:
+        shared = [t for t in a if lo < t <= hi and t in b]
+        return statistics.mean(a[t] - b[t] for t in shared) if shared else None
+
+    curves = [(train_and_heldout_curves(x), train_and_heldout_curves(y)) for x, y in pairs]
+    rows = []
+    for lo, hi in zip(edges, edges[1:]):
+        train, held = [], []
+        for (train_x, held_x), (train_y, held_y) in curves:
+            t = window_mean(train_x, train_y, lo, hi)
+            h = window_mean(held_x, held_y, lo, hi)
+            if t is not None and h is not None:
+                train.append(t)
+                held.append(h)
+        if not train:
+            continue
+        cells = [f"{statistics.mean(v):+.3f} ({' / '.join(f'{x:+.3f}' for x in v)})"
+                 for v in (train, held)]
+        gap = statistics.mean(h - t for h, t in zip(held, train))
+        rows.append(f"| {label} | {lo / 1e6:.1f}M-{hi / 1e6:.1f}M | {cells[0]} | {cells[1]} | "
+                    f"{gap:+.3f} |")
+    return rows
+
+
 def train_against_heldout(cell: str, windows: int = 4, results: Path = RESULTS) -> str:
     """IIET minus each baseline, paired by seed at each architecture's best LR, on the training
     batches (the same batches for every architecture of a seed: one data order) and on the
-    held-out book, averaged over windows of the run's tokens (from 20%, past the warm-up's
-    spikes). Where the held-out difference exceeds the training one, IIET fits the books it
-    trains on better than it transfers to unseen text, relative to that baseline: with repeated
-    epochs, one way a lead on training batches fails to show on held-out text."""
+    held-out book, by window of the run's tokens. Where the held-out difference exceeds the
+    training one, IIET fits the books it trains on better than it transfers to unseen text,
+    relative to that baseline: with repeated epochs, one way a lead on training batches fails
+    to show on held-out text."""
     runs = [r for r in json.loads((results / cell / "results.json").read_text())
             if r["status"] == "finished"]
     best = at_best_lr(runs)
     if "iiet" not in best:
         return f"{cell}: no finished IIET run"
-    total = max(r["tokens"] for r in runs)
-    edges = [total * (0.2 + 0.8 * i / windows) for i in range(windows + 1)]
-
-    def curves(r: dict) -> tuple[dict[float, float], dict[float, float]]:
-        """The run's training and held-out losses by tokens seen."""
-        per_step = r["tokens"] / r["train_steps"]
-        return ({step * per_step: loss for step, loss in r["train_curve"]},
-                dict(map(tuple, r["loss_curve"])))
-
-    def window_mean(a: dict, b: dict, lo: float, hi: float) -> float | None:
-        shared = [t for t in a if lo < t <= hi and t in b]
-        return statistics.mean(a[t] - b[t] for t in shared) if shared else None
-
-    lines = [f"IIET minus each baseline in {cell}, paired by seed (mean over seeds; per seed in "
-             "brackets), training batches against the held-out book", "",
-             "| baseline | tokens | on training batches | on the held-out book | held-out minus "
-             "training |", "|---|---|---|---|---|"]
+    lines = [f"IIET minus each baseline in {cell}, " + WINDOW_NOTE, ""] + WINDOW_HEADER
     iiet = best["iiet"][2]
     for other in (a for a in ARCHS if a != "iiet" and a in best):
         baseline = best[other][2]
-        pairs = [(curves(iiet[seed]), curves(baseline[seed]))
-                 for seed in sorted(set(iiet) & set(baseline))]
-        for lo, hi in zip(edges, edges[1:]):
-            train, held = [], []
-            for (train_i, held_i), (train_o, held_o) in pairs:
-                t = window_mean(train_i, train_o, lo, hi)
-                h = window_mean(held_i, held_o, lo, hi)
-                if t is not None and h is not None:
-                    train.append(t)
-                    held.append(h)
-            if not train:
-                continue
-            cells = [f"{statistics.mean(v):+.3f} ({' / '.join(f'{x:+.3f}' for x in v)})"
-                     for v in (train, held)]
-            gap = statistics.mean(h - t for h, t in zip(held, train))
-            lines.append(f"| {other} | {lo / 1e6:.1f}M-{hi / 1e6:.1f}M | {cells[0]} | {cells[1]} | "
-                         f"{gap:+.3f} |")
+        pairs = [(iiet[seed], baseline[seed]) for seed in sorted(set(iiet) & set(baseline))]
+        if pairs:
+            lines += window_rows(other, pairs, token_windows(pairs, windows))
     return "\n".join(lines)
 
 

@@ -81,6 +81,15 @@ def test_the_reports_tail_gain_is_the_fall_from_60_percent_of_the_tokens_per_lr(
     assert not any("pcformer_rk2" in row for row in rows)
 
 
+def _run_with_curves(arch, seed, train, held, lr=1e-3):
+    """A finished run of 100M tokens in 10 steps: training losses logged at steps 1..10,
+    validations every 10M tokens."""
+    return {"architecture": arch, "lr": lr, "seed": seed, "status": "finished",
+            "grid": True, "valid_loss": held(100e6), "tokens": 100e6, "train_steps": 10,
+            "train_curve": [[step, train(step)] for step in range(1, 11)],
+            "loss_curve": [[m * 1e6, held(m * 1e6)] for m in range(10, 101, 10)]}
+
+
 def test_the_reports_train_vs_heldout_pairs_seeds_on_the_same_token_windows(tmp_path):
     """trained_regime_report.py --train-vs-heldout: per window of tokens (from 20% of the run),
     IIET minus the baseline on the logged training batches (steps turned into tokens) and on the
@@ -89,14 +98,7 @@ def test_the_reports_train_vs_heldout_pairs_seeds_on_the_same_token_windows(tmp_
     import json
 
     report = _report_module()
-
-    def run(arch, seed, train, held):
-        # 100M tokens in 10 steps; training losses logged at steps 1..10, validations every 10M
-        return {"architecture": arch, "lr": 1e-3, "seed": seed, "status": "finished",
-                "grid": True, "valid_loss": held(100e6), "tokens": 100e6, "train_steps": 10,
-                "train_curve": [[step, train(step)] for step in range(1, 11)],
-                "loss_curve": [[m * 1e6, held(m * 1e6)] for m in range(10, 101, 10)]}
-
+    run = _run_with_curves
     runs = [run("iiet", 1, lambda s: 4.0 - 0.01 * s, lambda t: 4.5),
             run("vanilla", 1, lambda s: 4.1, lambda t: 4.55),
             run("iiet", 2, lambda s: 4.0, lambda t: 4.5),
@@ -114,6 +116,37 @@ def test_the_reports_train_vs_heldout_pairs_seeds_on_the_same_token_windows(tmp_
                        "-0.075 (-0.050 / -0.100) | +0.110 |")
     # (80M, 100M]: steps 9 and 10 for seed 1
     assert rows[3].startswith("| vanilla | 80.0M-100.0M | -0.215 (-0.195 / -0.235) |")
+
+
+def test_the_reports_compare_pairs_two_cells_by_seed_at_each_best_lr_and_by_token_window(
+        tmp_path):
+    """trained_regime_report.py --compare A B: B minus A per architecture at each cell's own
+    best LR, paired by seed (a seed only one cell ran is left out), then the same pairs by window
+    of tokens on training batches and on held-out text, as --train-vs-heldout does."""
+    import json
+
+    report = _report_module()
+    run = _run_with_curves
+    ours = [run("vanilla", 1, lambda s: 4.0, lambda t: 4.5),
+            run("vanilla", 2, lambda s: 4.1, lambda t: 4.6),
+            run("vanilla", 1, lambda s: 5.0, lambda t: 5.0, lr=2e-3),   # not its best LR
+            run("vanilla", 3, lambda s: 4.0, lambda t: 4.4)]            # no seed 3 in release
+    release = [run("vanilla", 1, lambda s: 4.0 - 0.02 * s, lambda t: 4.5 + 2 * t / 1e9),
+               run("vanilla", 2, lambda s: 4.07, lambda t: 4.61)]
+    for cell, runs in (("ours", ours), ("release", release)):
+        (tmp_path / cell).mkdir()
+        (tmp_path / cell / "results.json").write_text(json.dumps(runs))
+    lines = report.compare("ours", "release", results=tmp_path).splitlines()
+    rows = [r for r in lines if r.startswith("| vanilla |")]
+    # held-out at the end: seed 1 4.7 - 4.5, seed 2 4.61 - 4.6 (seed 3 unpaired)
+    assert rows[0].startswith("| vanilla | 0.001 / 0.001 | 1: +0.200, 2: +0.010 | ")
+    windows = rows[1:]
+    assert [r.split(" | ")[1] for r in windows] == ["20.0M-40.0M", "40.0M-60.0M", "60.0M-80.0M",
+                                                    "80.0M-100.0M"]
+    # (20M, 40M]: steps 3 and 4, validations at 30M and 40M. Seed 1: training -0.06, -0.08;
+    # held-out +0.06, +0.08. Seed 2: training -0.03, held-out +0.01.
+    assert windows[0] == ("| vanilla | 20.0M-40.0M | -0.050 (-0.070 / -0.030) | "
+                          "+0.040 (+0.070 / +0.010) | +0.090 |")
 
 
 def test_the_report_refuses_a_cell_without_committed_results_in_one_line():
