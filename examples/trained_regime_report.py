@@ -62,6 +62,12 @@ def best_lr(runs: list[dict], arch: str) -> tuple[float, str]:
     return best, "yes" if 0 < lrs.index(best) < len(lrs) - 1 else "no: at its edge"
 
 
+def finished_runs(cell: str, results: Path = RESULTS) -> list[dict]:
+    """The cell's committed runs that finished."""
+    return [r for r in json.loads((results / cell / "results.json").read_text())
+            if r["status"] == "finished"]
+
+
 def at_best_lr(runs: list[dict]) -> dict[str, tuple[float, str, dict[int, dict]]]:
     """Per architecture of the cell: its best LR, whether that lies inside the grid, and its runs
     at that LR by seed."""
@@ -142,8 +148,7 @@ def curve_gap_points(curves_a: list[list], curves_b: list[list], every: int = 3)
 
 
 def report(cell: str, H: float) -> str:
-    runs = [r for r in json.loads((RESULTS / cell / "results.json").read_text())
-            if r["status"] == "finished"]
+    runs = finished_runs(cell)
     lines = [f"### Cell {cell}", "",
              "| run | LR | held-out loss | WikiText-2 loss | FLOPs | plateau steps (fraction) |",
              "|---|---|---|---|---|---|"]
@@ -275,9 +280,8 @@ def compare(cell_a: str, cell_b: str, windows: int = 4, results: Path = RESULTS)
     difference carries less noise than the two means do (paired t-test, scipy). Then the same
     pairs by window of tokens, on the training batches and on the held-out book."""
     def best_by_seed(cell):
-        runs = [r for r in json.loads((results / cell / "results.json").read_text())
-                if r["status"] == "finished"]
-        return {arch: (lr, by_seed) for arch, (lr, _, by_seed) in at_best_lr(runs).items()}
+        best = at_best_lr(finished_runs(cell, results))
+        return {arch: (lr, by_seed) for arch, (lr, _, by_seed) in best.items()}
 
     a, b = best_by_seed(cell_a), best_by_seed(cell_b)
     lines = [f"### {cell_b} minus {cell_a}, each at its best LR, paired by seed", "",
@@ -414,8 +418,7 @@ def train_against_heldout(cell: str, windows: int = 4, results: Path = RESULTS) 
     training one, IIET fits the books it trains on better than it transfers to unseen text,
     relative to that baseline: with repeated epochs, one way a lead on training batches fails
     to show on held-out text."""
-    runs = [r for r in json.loads((results / cell / "results.json").read_text())
-            if r["status"] == "finished"]
+    runs = finished_runs(cell, results)
     best = at_best_lr(runs)
     if "iiet" not in best:
         return f"{cell}: no finished IIET run"
