@@ -10,7 +10,8 @@ plan: the concrete runs (parameters, FLOPs per token with every pass, tokens, to
 estimated time); errors in the sweep are one line before anything runs. launch: runs what is not
 finished, resuming unfinished runs, phase 1 (the LR grid) then phase 2 (the grid's best LR
 carried up), --jobs K runs at once; --task I runs the I-th run of --phase (a SLURM array
-task). submit: the same as SLURM array jobs of slurm/sweep.sbatch, phase 2 after phase 1
+task); --retrain-committed also trains the runs finished only in the committed results, to
+rebuild their checkpoints on this machine. submit: the same as SLURM array jobs of slurm/sweep.sbatch, phase 2 after phase 1
 (afterok). collect: results.json / results.csv (and best_lr.json) in the sweep's output
 folder. fit: per architecture L(N, D) = E + A/N^alpha + B/D^beta with bootstrap intervals and
 the compute frontier; writes fit.md and PNG plots next to the results.
@@ -47,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--task", type=int, default=None,
                            help="only the TASK-th run of --phase (SLURM array index)")
             s.add_argument("--dry-run", action="store_true", help="print the commands")
+            s.add_argument("--retrain-committed", action="store_true",
+                           help="also train runs finished only in the committed results (their "
+                                "folders are on another machine), to have their checkpoints here")
         if name == "submit":
             s.add_argument("--max-parallel", type=int, default=None,
                            help="array tasks running at once (sbatch --array=...%%K)")
@@ -123,7 +127,7 @@ def run(args) -> int:
             if args.jobs < 1:
                 raise ValueError(f"--jobs {args.jobs}: at least 1")
             launch(plan, nproc=args.nproc, phase=args.phase, task=args.task, jobs=args.jobs,
-                   dry_run=args.dry_run)
+                   dry_run=args.dry_run, retrain_committed=args.retrain_committed)
         except ValueError as err:
             raise OperatorError(str(err)) from None
         except RuntimeError as err:

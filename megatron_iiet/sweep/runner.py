@@ -178,8 +178,11 @@ def phase_runs(plan: SweepPlan, phase: int) -> list[RunPlan]:
 
 def launch(plan: SweepPlan, *, nproc: int = 1, phase: Optional[int] = None,
            task: Optional[int] = None, jobs: int = 1, dry_run: bool = False,
-           say: Callable[[str], None] = print) -> int:
-    """Run what is not finished, `jobs` runs at a time; returns how many runs it started."""
+           retrain_committed: bool = False, say: Callable[[str], None] = print) -> int:
+    """Run what is not finished, `jobs` runs at a time; returns how many runs it started.
+    ``retrain_committed``: a run finished only in the committed results (its folder is on
+    another machine) is trained again here, for its checkpoints; its committed loss still
+    counts towards the best LR."""
     started = 0
     finished: list[tuple[RunPlan, float]] = []  # this launch's, for the ETA
     for current in (1, 2):
@@ -202,6 +205,8 @@ def launch(plan: SweepPlan, *, nproc: int = 1, phase: Optional[int] = None,
         todo: list[tuple[RunPlan, str, list[str]]] = []
         for run in runs:
             status = run_status(plan, run)
+            if retrain_committed and status == "finished" and not read_records(run_dir(plan, run)):
+                status = "missing"
             lr = resolved_lr(plan, run, best)
             check_same_lr(plan, run, lr, status)
             if status == "finished":

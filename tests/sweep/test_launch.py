@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.forked import run_script
@@ -249,6 +250,16 @@ def test_a_sweep_continues_from_committed_results_where_its_run_folders_are_gone
     results = {r["name"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())}
     assert results[rows[0]["name"]]["valid_loss"] == rows[0]["valid_loss"]
     assert all(r["status"] == "finished" for r in results.values())
+    # its checkpoints are wanted here (e.g. for IIAD): trained again, it reproduces the committed
+    # loss; a run finished on this machine is not trained again
+    rebuilt = _cli("launch", sweep, "--retrain-committed")
+    assert rebuilt.returncode == 0, rebuilt.stdout[-2000:] + rebuilt.stderr[-2000:]
+    assert f"start {rows[0]['name']}" in rebuilt.stdout
+    assert f"skip {rows[1]['name']} (finished)" in rebuilt.stdout
+    assert (tmp_path / "out" / "runs" / rows[0]["name"] / "checkpoints").is_dir()
+    assert _cli("collect", sweep).returncode == 0
+    again = {r["name"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())}
+    assert again[rows[0]["name"]]["valid_loss"] == pytest.approx(rows[0]["valid_loss"], rel=1e-6)
 
 
 def test_an_architectures_seeds_start_once_its_own_grid_has_finished(tmp_path, tiny_data):
