@@ -13,8 +13,9 @@ carried up), --jobs K runs at once; --task I runs the I-th run of --phase (a SLU
 task); --retrain-committed also trains the runs finished only in the committed results, to
 rebuild their checkpoints on this machine. submit: the same as SLURM array jobs of
 slurm/sweep.sbatch, phase 2 after phase 1 (afterok). collect: results.json / results.csv (and
-best_lr.json) in the sweep's output folder. fit: per architecture L(N, D) = E + A/N^alpha + B/D^beta with bootstrap intervals and
-the compute frontier; writes fit.md and PNG plots next to the results.
+best_lr.json) in the sweep's output folder. fit: per architecture L(N, D) = E + A/N^alpha +
+B/D^beta with bootstrap intervals and the compute frontier; writes fit.md and PNG plots next to
+the results.
 """
 
 import argparse
