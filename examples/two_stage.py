@@ -89,7 +89,8 @@ def last_quarter_start(plan, run, need: bool = True) -> tuple[int, Path]:
     start = run_dir(plan, run) / "checkpoints" / checkpoint_name(quarter)
     if need and not run_dir(plan, run).is_dir():
         raise OperatorError(f"{run.name}: its run folder is not on this machine (only its "
-                            "committed results are; the variant needs its checkpoints)")
+                            "committed results are; the variant needs its checkpoints: "
+                            "`tools/sweep.py launch SWEEP --retrain-committed` trains it here)")
     if need and (not start.is_dir() or defect(start) is not None):
         raise OperatorError(f"{start}: missing or incomplete (a run started before the sweep's "
                             "checkpoint.keep_last 5 kept only its last checkpoint)")
