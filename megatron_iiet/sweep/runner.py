@@ -40,13 +40,14 @@ def run_dir(plan: SweepPlan, run: RunPlan) -> Path:
     return Path(run.overrides["logging.dir"])
 
 
-def run_status(plan: SweepPlan, run: RunPlan) -> str:
-    """finished | partial | missing."""
+def run_status(plan: SweepPlan, run: RunPlan, count_committed: bool = True) -> str:
+    """finished | partial | missing. ``count_committed``: a run with no folder here that the
+    committed results list counts as finished."""
     records = read_records(run_dir(plan, run))
     if any(r.get("kind") == "end" and r.get("finished") and r.get("step") == run.train_steps
            for r in records):
         return "finished"
-    if not records and run.name in plan.committed:
+    if not records and count_committed and run.name in plan.committed:
         return "finished"  # in the repository's results, its folder on another machine
     return "partial" if records else "missing"
 
@@ -204,9 +205,7 @@ def launch(plan: SweepPlan, *, nproc: int = 1, phase: Optional[int] = None,
                 say("best grid LR: " + ", ".join(f"{a} {v:.3g}" for a, v in best.items()))
         todo: list[tuple[RunPlan, str, list[str]]] = []
         for run in runs:
-            status = run_status(plan, run)
-            if retrain_committed and status == "finished" and not read_records(run_dir(plan, run)):
-                status = "missing"
+            status = run_status(plan, run, count_committed=not retrain_committed)
             lr = resolved_lr(plan, run, best)
             check_same_lr(plan, run, lr, status)
             if status == "finished":
