@@ -318,6 +318,7 @@ def iiad_share(cell: str, results: Path = RESULTS) -> str:
     lines = [f"### IIAD in {cell}: against vanilla {lr:.3g}, {mean_sd(seeds)}", "",
              "| student | plan (passes) | teacher | held-out | its IIET run | IIET's gain over "
              "vanilla | share kept |", "|---|---|---|---|---|---|---|"]
+    windowed = []
     for path in sorted((results / cell).glob("iiad_*.json")):
         student = json.loads(path.read_text())
         iiet = runs.get(student["iiet_run"])
@@ -325,6 +326,7 @@ def iiad_share(cell: str, results: Path = RESULTS) -> str:
             lines.append(f"| {student['name']} | | | {student['valid_loss']:.4f} | "
                          f"{student['iiet_run']} not in the cell's results | | |")
             continue
+        windowed += student_against_its_run(student, iiet)
         gain = vanilla - iiet["valid_loss"]
         share = (f"{(vanilla - student['valid_loss']) / gain:.0%}" if gain > 0
                  else "- (IIET does not lead)")
@@ -332,7 +334,28 @@ def iiad_share(cell: str, results: Path = RESULTS) -> str:
                      f"{student['full_passes']}) | {student['teacher'] or '-'} | "
                      f"{student['valid_loss']:.4f} | {iiet['valid_loss']:.4f} | {gain:+.4f} | "
                      f"{share} |")
+    if windowed:
+        lines += ["", "Each student minus its IIET run by window of its quarter, on the same "
+                  "training batches (cross entropy) and on the held-out book", "",
+                  "| student" + WINDOW_HEADER[0][len("| architecture"):], WINDOW_HEADER[1]]
+        lines += windowed
     return "\n".join(lines)
+
+
+def student_against_its_run(student: dict, iiet: dict, windows: int = 3) -> list[str]:
+    """The student minus the IIET run it continues, over the student's steps: the two see the
+    same batches, so a held-out gap that grows while the training one shrinks is the student
+    generalising worse, not fitting worse. A student collected without the cross entropy on its
+    training batches (only its distillation objective) gets no rows."""
+    if "train_curve" not in student:
+        return []
+    per_step = student["tokens"] / student["train_steps"]
+    as_run = {"tokens": student["tokens"], "train_steps": student["train_steps"],
+              "train_curve": student["train_curve"],
+              "loss_curve": [(step * per_step, loss) for step, loss in student["valid_curve"]]}
+    first, last = student["switch_step"] * per_step, student["tokens"]
+    edges = [first + (last - first) * i / windows for i in range(windows + 1)]
+    return window_rows(student["name"], [(as_run, iiet)], edges)
 
 
 def tail_gain(cells: list[str], from_fraction: float = 0.6, results: Path = RESULTS) -> str:

@@ -131,9 +131,14 @@ def collect(cell: str, folder: Path, info: dict) -> Path:
                for r in records) or not valid or valid[-1][0] != info["train_steps"]:
         raise OperatorError(f"{folder}: not finished (no end record at step {info['train_steps']}, "
                             "or no validation there)")
+    train = last_attempt(records, "train")
+    # train_curve is the cross entropy on the training batches, comparable with a sweep run's;
+    # a distilled run's objective (CE plus the KL term) is kept beside it
     summary = {"name": folder.name, **info, "valid_loss": valid[-1][1], "valid_curve": valid,
-               "train_curve": [(r["step"], r["loss"]) for r in last_attempt(records, "train")],
+               "train_curve": [(r["step"], r.get("lm", r["loss"])) for r in train],
                "finished": True}
+    if any("lm" in r for r in train):
+        summary["train_objective_curve"] = [(r["step"], r["loss"]) for r in train]
     out = results_dir(cell) / f"{folder.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     write_bytes_atomic(out, (json.dumps(summary, indent=1) + "\n").encode())

@@ -193,6 +193,41 @@ def test_the_reports_iiad_share_is_the_students_part_of_iiets_gain_over_vanilla(
         in rows
 
 
+def test_the_reports_iiad_windows_pair_each_student_with_its_run_on_the_same_batches(tmp_path):
+    """trained_regime_report.py --iiad, second table: over the student's steps (from its switch
+    step to the end, in 3 windows), the student minus its IIET run on the training batches both
+    saw and on the held-out validations at the same steps; a student collected with only its
+    distillation objective on the training batches gets no rows."""
+    import json
+
+    report = _report_module()
+    iiet = {**_run_with_curves("iiet", 1234, lambda s: 4.0 - 0.01 * s, lambda t: 4.5 - t / 1e9),
+            "name": "i", "grid": True}
+    vanilla = {**_run_with_curves("vanilla", 1234, lambda s: 4.1, lambda t: 4.6), "name": "v"}
+    (tmp_path / "cell").mkdir()
+    (tmp_path / "cell" / "results.json").write_text(json.dumps([iiet, vanilla]))
+    # from step 4 of 10: training 0.2 above IIET at steps 5-6, 0.15 at 7-8, 0.05 at 9-10;
+    # held-out 0.1 above at every step, then 0.3 at step 10 (the student's rise)
+    student = {"iiet_run": "i", "plan": [0, 1], "passes": 3, "full_passes": 8, "teacher": None,
+               "switch_step": 4, "train_steps": 10, "tokens": 100e6, "valid_loss": 4.5,
+               "train_curve": [[s, 4.0 - 0.01 * s + {5: .2, 6: .2, 7: .15, 8: .15}.get(s, .05)]
+                               for s in range(5, 11)],
+               "valid_curve": [[s, 4.5 - s / 100 + (0.3 if s == 10 else 0.1)]
+                               for s in range(5, 11)]}
+    (tmp_path / "cell" / "iiad_plain_x2_from_i.json").write_text(json.dumps(
+        {**student, "name": "p"}))
+    objective_only = {k: v for k, v in student.items() if k != "train_curve"}
+    (tmp_path / "cell" / "iiad_distil_x2_from_i.json").write_text(json.dumps(
+        {**objective_only, "name": "d", "teacher": "i", "train_objective_curve": []}))
+    rows = report.iiad_share("cell", results=tmp_path).splitlines()
+    windows = [r for r in rows if r.startswith("| p | ") and "M-" in r]
+    # windows of 20M tokens from 40M: steps 5-6, 7-8, 9-10
+    assert windows == ["| p | 40.0M-60.0M | +0.200 (+0.200) | +0.100 (+0.100) | -0.100 |",
+                       "| p | 60.0M-80.0M | +0.150 (+0.150) | +0.100 (+0.100) | -0.050 |",
+                       "| p | 80.0M-100.0M | +0.050 (+0.050) | +0.200 (+0.200) | +0.150 |"]
+    assert not any(r.startswith("| d | 40") for r in rows)
+
+
 def test_the_reports_seed_tests_pair_only_the_seeds_both_architectures_ran():
     """seed_test_lines: Welch over every seed at each best LR; the paired test over the shared seeds,
     each difference taken within one seed (same data order), so a seed only one side ran is

@@ -75,6 +75,11 @@ def test_the_2x_plan_student_continues_the_iiet_run_from_three_quarters(tmp_path
     assert summary["plan"] == chosen["iterations"] and summary["iiet_run"] == iiet_run.name
     assert summary["switch_step"] == 48 and summary["valid_curve"][-1][0] == STEPS
     assert summary["valid_loss"] == [r for r in records if r["kind"] == "valid"][-1]["loss"]
+    # on the training batches the summary keeps the cross entropy (a sweep run's train_curve)
+    # and, beside it, the distillation objective, which adds the KL
+    assert summary["train_curve"] == [[r["step"], r["lm"]] for r in train]
+    assert summary["train_objective_curve"] == [[r["step"], r["loss"]] for r in train]
+    assert all(r["loss"] > r["lm"] for r in train)
     # FLOPs: 3/4 of the IIET run's, then the pruned student's plus the teacher's forward
     from megatron_iiet.sweep.plan import plan_sweep
 
