@@ -1,0 +1,209 @@
+"""Issue 31, why IIET's best LR is half the baselines': how far one optimizer step moves the model.
+
+Hypothesis (docs/scaling.md): at equal LR IIET's step is effectively larger than the baselines',
+as each layer applies its block 1 + max_iterations times with the same weights. Measured here:
+from a run's checkpoint (its weights and AdamW moments), the update AdamW would take next,
+``u = m_hat / (sqrt(v_hat) + eps) + weight_decay * theta`` (the new gradient's share left out),
+applied with a probe LR ``eta`` to one group of parameters at a time; on the held-out book,
+
+- ``speed = sqrt(2 * KL(p_theta || p_theta')) / eta``: the step's length in the model's output
+  distribution per unit LR (KL is quadratic in a small step, so it does not depend on eta while
+  eta is small: two etas are measured to show it);
+- ``dloss = (loss_theta' - loss_theta) / eta``: the held-out loss change per unit LR. It is
+  positive at every checkpoint probed so far: the momentum points against the next gradient
+  (the gradient at the checkpoint, on training or held-out text, has a cosine of about -0.05
+  with ``u``), as when training oscillates across the sharp directions of the loss.
+
+Two runs at the same LR and recipe compared at the same checkpoint step: an IIET/vanilla speed
+ratio near 1 rejects the hypothesis; near 2 (or more) supports it, and the per-group rows say
+where the extra length comes from (the blocks, which IIET repeats, or the embedding).
+
+    python examples/step_probe.py CELL RUN [RUN ...] [--eta 1e-4 2e-4] [--batches 4]
+    # e.g. python examples/step_probe.py s_20tpp_release vanilla_s_14.79M_lr0.002_s1234 \
+    #          iiet_s_14.79M_lr0.002_s1234
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from two_stage import cell_plan, finished_run, results_dir
+
+from megatron_iiet.errors import OperatorError
+
+GROUPS = ("all", "embedding", "blocks", "other")
+
+
+def group_of(name: str) -> str:
+    """The parameter group a probe perturbs: the (tied) word embedding, the layers' repeated
+    blocks, or the rest (history coefficients and norms, the final norm)."""
+    if name.startswith("embedding."):
+        return "embedding"
+    if ".block." in name:
+        return "blocks"
+    return "other"
+
+
+def checkpoint_keys(model) -> dict[str, str]:
+    """Each parameter's key in the dist-checkpoint: megatron renames some (a fused norm's
+    weight is stored under its linear layer's name)."""
+    sharded = model.sharded_state_dict()
+    return {name: sharded[name].key for name, _ in model.named_parameters()}
+
+
+def adam_direction(ckpt: Path, params: dict[str, torch.Tensor],
+                   keys: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The update AdamW would take at the checkpoint's next step, per unit LR, without the new
+    gradient: bias-corrected first moment over the root of the second, plus decoupled weight
+    decay on the matrices (megatron's rule: no decay on 1-D parameters)."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+
+    common = torch.load(ckpt / "common.pt", weights_only=True)["optimizer"]
+    step = float(common["state"]["common_step"])
+    group = common["param_groups"][0]
+    beta1, beta2 = group["betas"]
+    eps, decay = group["eps"], group["weight_decay"]
+    moments = {f"optimizer.state.{kind}.{keys[name]}": torch.empty_like(p)
+               for name, p in params.items() for kind in ("exp_avg", "exp_avg_sq")}
+    stored = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    missing = [k for k in moments if k not in stored]
+    if missing:
+        raise OperatorError(f"{ckpt}: no optimizer moments for {missing[0]} "
+                            f"(a model-only checkpoint?)")
+    load(moments, storage_reader=FileSystemReader(str(ckpt)))
+    out = {}
+    for name, p in params.items():
+        m = moments[f"optimizer.state.exp_avg.{keys[name]}"] / (1 - beta1 ** step)
+        v = moments[f"optimizer.state.exp_avg_sq.{keys[name]}"] / (1 - beta2 ** step)
+        out[name] = m / (v.sqrt() + eps) + (decay * p if p.dim() > 1 else 0.0)
+    return out
+
+
+def log_probs(model, batches: list[dict]) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return [torch.log_softmax(model(b["input_ids"]).double(), dim=-1) for b in batches]
+
+
+def compare(base: list[torch.Tensor], moved: list[torch.Tensor],
+            batches: list[dict]) -> tuple[float, float]:
+    """Mean KL(base || moved) per token and the mean held-out loss change (moved - base)."""
+    kl, dloss = 0.0, 0.0
+    for p, q, b in zip(base, moved, batches):
+        kl += float((p.exp() * (p - q)).sum(-1).mean())
+        labels = b["labels"].unsqueeze(-1)
+        dloss += float((p.gather(-1, labels) - q.gather(-1, labels)).mean())
+    return kl / len(batches), dloss / len(batches)
+
+
+def probe_checkpoint(ckpt: Path, batches_spec: tuple[str, int, int], etas: list[float]) -> dict:
+    from megatron_iiet.eval.checkpoint import load_for_inference
+    from megatron_iiet.iiad.influence import calibration_batches
+    from megatron_iiet.training.checkpoint_index import step_of
+
+    loaded = load_for_inference(ckpt, with_tokenizer=False)
+    model = loaded.model
+    params = dict(model.named_parameters())
+    direction = adam_direction(ckpt, params, checkpoint_keys(model))
+    prefix, count, size = batches_spec
+    batches = calibration_batches(prefix, count, size, loaded.max_length)
+    base = log_probs(model, batches)
+    loss = -sum(float(p.gather(-1, b["labels"].unsqueeze(-1)).mean())
+                for p, b in zip(base, batches)) / len(batches)
+    saved = {n: p.detach().clone() for n, p in params.items()}
+    rows = []
+    for group in GROUPS:
+        chosen = [n for n in params if group == "all" or group_of(n) == group]
+        if not chosen:
+            continue
+        for eta in etas:
+            with torch.no_grad():
+                for n in chosen:
+                    params[n].sub_(eta * direction[n])
+            kl, dloss = compare(base, log_probs(model, batches), batches)
+            with torch.no_grad():
+                for n in chosen:
+                    params[n].copy_(saved[n])
+            rows.append({"group": group, "eta": eta, "kl": kl,
+                         "speed": math.sqrt(2 * max(kl, 0.0)) / eta, "dloss": dloss / eta,
+                         "update_rms": float(torch.cat([direction[n].flatten() for n in chosen])
+                                             .pow(2).mean().sqrt())})
+    return {"step": step_of(ckpt), "heldout_loss": loss, "rows": rows}
+
+
+def probe_runs(cell: str, names: list[str], etas: list[float], batches: int,
+               batch_size: int) -> dict:
+    from megatron_iiet.hf.megatron_model import one_process_group
+    from megatron_iiet.sweep.runner import run_dir
+    from megatron_iiet.training.checkpoint_index import defect, list_checkpoints, step_of
+
+    plan = cell_plan(cell)
+    runs = {r.name: r for r in plan.runs}
+    out = {}
+    with one_process_group():
+        for name in names:
+            if name not in runs:
+                raise OperatorError(f"{name}: not a run of {plan.spec.name}")
+            run = finished_run(plan, name, runs[name].architecture)
+            kept = [c for c in list_checkpoints(run_dir(plan, run) / "checkpoints")
+                    if defect(c) is None and step_of(c) < run.train_steps]
+            spec = (run.overrides["data.valid"], batches, batch_size)
+            out[name] = {"architecture": run.architecture,
+                         "checkpoints": [probe_checkpoint(c, spec, etas) for c in kept]}
+            print(f"probed {name}: {len(kept)} checkpoints", file=sys.stderr, flush=True)
+    return out
+
+
+def table(probes: dict) -> str:
+    """Speed per group and checkpoint step, each run against the first (the reference)."""
+    names = list(probes)
+    ref = probes[names[0]]
+    lines = ["| run | step | held-out | group | eta | speed | ratio to " + names[0].split("_")[0]
+             + " | dloss | update rms |", "|---|---|---|---|---|---|---|---|---|"]
+    for name in names:
+        for ck in probes[name]["checkpoints"]:
+            ref_ck = next((c for c in ref["checkpoints"] if c["step"] == ck["step"]), None)
+            for row in ck["rows"]:
+                ref_row = ref_ck and next((r for r in ref_ck["rows"] if r["group"] == row["group"]
+                                           and r["eta"] == row["eta"]), None)
+                ratio = f"{row['speed'] / ref_row['speed']:.2f}" if ref_row else ""
+                lines.append(f"| {name} | {ck['step']} | {ck['heldout_loss']:.3f} | "
+                             f"{row['group']} | {row['eta']:g} | {row['speed']:.2f} | {ratio} | "
+                             f"{row['dloss']:+.2f} | {row['update_rms']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("cell")
+    parser.add_argument("runs", nargs="+")
+    parser.add_argument("--eta", type=float, nargs="+", default=[1e-4, 2e-4],
+                        help="probe LRs (small: the speed is read in the quadratic regime)")
+    parser.add_argument("--batches", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--output", help="json path (default results/trained/CELL/"
+                                         "step_probe.json, merged by run name)")
+    args = parser.parse_args(argv)
+    try:
+        probes = probe_runs(args.cell, args.runs, args.eta, args.batches, args.batch_size)
+    except OperatorError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    path = Path(args.output) if args.output else results_dir(args.cell) / "step_probe.json"
+    merged = json.loads(path.read_text()) if path.is_file() else {}
+    merged.update(probes)
+    from megatron_iiet.data.atomic import write_json_atomic
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, merged)
+    print(table(probes))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
