@@ -1,18 +1,22 @@
-"""Issue 31, why IIET's best LR is half the baselines': how far one optimizer step moves the model.
+"""Issue 31, why IIET fails at the baselines' LR: how far one optimizer step moves the model.
 
 Hypothesis (docs/scaling.md): at equal LR IIET's step is effectively larger than the baselines',
 as each layer applies its block 1 + max_iterations times with the same weights. Measured here:
-from a run's checkpoint (its weights and AdamW moments), the update AdamW would take next,
-``u = m_hat / (sqrt(v_hat) + eps) + weight_decay * theta`` (the new gradient's share left out),
-applied with a probe LR ``eta`` to one group of parameters at a time; on the held-out book,
+from a run's checkpoint (its weights, AdamW moments and step count), the update AdamW took last,
+``u = m_hat / (sqrt(v_hat) + eps) + weight_decay * theta`` (tests/sweep/test_step_probe.py checks
+it is the step training took), applied again with a probe LR ``eta`` to one group of parameters
+at a time. The next update's moment part, before its new gradient, is the same direction times
+beta1 / sqrt(beta2) (~0.9), the same factor for every run. On the held-out book:
 
 - ``speed = sqrt(2 * KL(p_theta || p_theta')) / eta``: the step's length in the model's output
   distribution per unit LR (KL is quadratic in a small step, so it does not depend on eta while
   eta is small: two etas are measured to show it);
-- ``dloss = (loss_theta' - loss_theta) / eta``: the held-out loss change per unit LR. It is
-  positive at most checkpoints (31 of 40 at s): the momentum points against the next gradient
-  (at a vanilla checkpoint the gradient, on training or held-out text, has a cosine of -0.02
-  to -0.05 with ``u``), as when training oscillates across the sharp directions of the loss.
+- ``dloss = (loss_theta' - loss_theta) / eta``: the held-out loss change per unit LR;
+- ``descent_cosine``: the cosine between the step ``-u`` and the held-out loss's steepest
+  descent ``-gradient`` at the checkpoint (negative: the step goes uphill there, as when
+  training oscillates across the sharp directions of the loss);
+- ``history``: each layer's rows of the cross-layer history (``pop_weight``, ``refine_weight``;
+  spec section 3) where the architecture has one.
 
 Two runs at the same LR and recipe compared at the same checkpoint step: an IIET/vanilla speed
 ratio near 1 rejects the hypothesis; near 2 (or more) supports it, and the per-group rows say
@@ -57,18 +61,24 @@ def checkpoint_keys(model) -> dict[str, str]:
     return {name: sharded[name].key for name, _ in model.named_parameters()}
 
 
+def decays(name: str, p: torch.Tensor) -> bool:
+    """Megatron's rule: no weight decay on biases and 1-D parameters (norms, history rows)."""
+    return p.dim() > 1 and not name.endswith(".bias")
+
+
 def adam_direction(ckpt: Path, params: dict[str, torch.Tensor],
                    keys: dict[str, str]) -> dict[str, torch.Tensor]:
-    """The update AdamW would take at the checkpoint's next step, per unit LR, without the new
-    gradient: bias-corrected first moment over the root of the second, plus decoupled weight
-    decay on the matrices (megatron's rule: no decay on 1-D parameters)."""
+    """The update AdamW took last, per unit LR: the checkpoint's first moment over the root of
+    its second, both bias-corrected at its step count, plus decoupled weight decay on
+    ``params`` where it applies."""
     from torch.distributed.checkpoint import FileSystemReader, load
 
     common = torch.load(ckpt / "common.pt", weights_only=True)["optimizer"]
     step = float(common["state"]["common_step"])
-    group = common["param_groups"][0]
-    beta1, beta2 = group["betas"]
-    eps, decay = group["eps"], group["weight_decay"]
+    groups = common["param_groups"]
+    beta1, beta2 = groups[0]["betas"]
+    eps = groups[0]["eps"]
+    decay = max(g["weight_decay"] * g.get("wd_mult", 1.0) for g in groups)
     moments = {f"optimizer.state.{kind}.{keys[name]}": torch.empty_like(p)
                for name, p in params.items() for kind in ("exp_avg", "exp_avg_sq")}
     stored = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
@@ -81,8 +91,27 @@ def adam_direction(ckpt: Path, params: dict[str, torch.Tensor],
     for name, p in params.items():
         m = moments[f"optimizer.state.exp_avg.{keys[name]}"] / (1 - beta1 ** step)
         v = moments[f"optimizer.state.exp_avg_sq.{keys[name]}"] / (1 - beta2 ** step)
-        out[name] = m / (v.sqrt() + eps) + (decay * p if p.dim() > 1 else 0.0)
+        out[name] = m / (v.sqrt() + eps) + (decay * p if decays(name, p) else 0.0)
     return out
+
+
+def descent_cosine(model, batches: list[dict], direction: dict[str, torch.Tensor]) -> float:
+    """The cosine between the step ``-u`` and the held-out loss's steepest descent."""
+    from megatron_iiet.training.step import forward_backward
+
+    model.zero_grad(set_to_none=True)
+    forward_backward(model, batches)
+    params = [(p.grad, direction[n]) for n, p in model.named_parameters() if p.grad is not None]
+    dot = sum(float((g * u).sum()) for g, u in params)
+    norms = math.sqrt(sum(float(g.pow(2).sum()) for g, _ in params)) * math.sqrt(
+        sum(float(u.pow(2).sum()) for _, u in params))
+    model.zero_grad(set_to_none=True)
+    return dot / norms
+
+
+def history_rows(params: dict[str, torch.Tensor]) -> dict[str, list[float]]:
+    return {name: [round(float(x), 4) for x in p.detach()]
+            for name, p in params.items() if name.endswith(("pop_weight", "refine_weight"))}
 
 
 def log_probs(model, batches: list[dict]) -> list[torch.Tensor]:
@@ -133,7 +162,9 @@ def probe_checkpoint(ckpt: Path, batches_spec: tuple[str, int, int], etas: list[
                          "speed": math.sqrt(2 * max(kl, 0.0)) / eta, "dloss": dloss / eta,
                          "update_rms": float(torch.cat([direction[n].flatten() for n in chosen])
                                              .pow(2).mean().sqrt())})
-    return {"step": step_of(ckpt), "heldout_loss": loss, "rows": rows}
+    return {"step": step_of(ckpt), "heldout_loss": loss, "rows": rows,
+            "descent_cosine": descent_cosine(model, batches, direction),
+            "history": history_rows(params)}
 
 
 def probe_runs(cell: str, names: list[str], etas: list[float], batches: int,

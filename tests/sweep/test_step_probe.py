@@ -1,7 +1,8 @@
 """examples/step_probe.py on a tiny one-run sweep that saves every step: the AdamW update it
-rebuilds from a checkpoint's moments is the update training took (checkpoint k+1's moments and
-step count, the LR of step k+1, weight decay on the matrices: theta_k - theta_{k+1}), and the
-probe's output-space speed does not depend on the probe LR while it is small."""
+rebuilds from a checkpoint's moments is the update training took to reach it (checkpoint k+1's
+moments and step count, the LR of step k+1, weight decay on the matrices: theta_k -
+theta_{k+1}), and the probe's output-space speed does not depend on the probe LR while it is
+small."""
 
 import json
 import os
@@ -60,6 +61,9 @@ def test_the_rebuilt_update_is_the_step_training_took_and_the_speed_is_eta_free(
             small, large = [r for r in ck["rows"] if r["group"] == group]
             assert small["kl"] > 0 and large["kl"] > 0
             assert abs(large["speed"] / small["speed"] - 1) < 0.02, (ck["step"], group)
+        assert -1 <= ck["descent_cosine"] <= 1 and ck["descent_cosine"] != 0
+        # 2 layers: rows of length 2 and 3 (S_0..S_l), pop and refine
+        assert sorted(len(row) for row in ck["history"].values()) == [2, 2, 3, 3]
     assert f"| {run.name} | 4 |" in proc.stdout
 
     sys.path.insert(0, str(REPO / "examples"))
