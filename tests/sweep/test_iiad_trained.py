@@ -3,39 +3,17 @@ checkpoint at 3/4 of its steps, the 2x-decode plan, and the pruned student train
 the run's last step, distilled from the finished IIET, with the run's step, schedule and data."""
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
-import yaml
+from tests.sweep.conftest import ENV, REPO, launch_iiet_cell
 
-from tests.forked import run_script
-
-REPO = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 STEPS = 64
 
 
 def test_the_2x_plan_student_continues_the_iiet_run_from_three_quarters(tmp_path, tiny_data):
-    sweep = tmp_path / "cell.yaml"
-    sweep.write_text(yaml.safe_dump({
-        "name": "cell", "base": str(REPO / "examples" / "tiny_iiet.yaml"),
-        "output": str(tmp_path / "out"), "architectures": ["iiet"],
-        "set": {"data.train": tiny_data.data_prefix, "data.valid": tiny_data.data_prefix,
-                "data.tokenizer": tiny_data.tokenizer_model, "data.num_workers": 0,
-                "data.cache_dir": str(tmp_path / "cache"), "logging.progress_bar": False,
-                "logging.tensorboard": False, "eval.steps": 1, "eval.interval": 16,
-                "logging.log_interval": 4, "checkpoint.keep_last": 5},
-        "arch_set": {"iiet": {"model.max_iterations": 3}},
-        "sizes": [{"name": "xs", "num_layers": 2, "hidden_size": 32}],
-        "tokens": [STEPS * 4 * 32], "batch": {"global_batch_size": 4, "micro_batch_size": 4,
-                                              "seq_length": 32},
-        "shape_rules": {"head_dim": 16}, "lr": {"values": {"iiet": 3e-3}}}))
-    launched = run_script(str(REPO / "tools" / "sweep.py"), ["launch", str(sweep)], cwd=REPO,
-                          env=ENV, timeout=900)
-    assert launched.returncode == 0, launched.stdout[-2000:] + launched.stderr[-2000:]
-    (iiet_run,) = [p for p in (tmp_path / "out" / "runs").iterdir()]
+    sweep, iiet_run = launch_iiet_cell(tmp_path, tiny_data, STEPS, 3, **{
+        "eval.interval": 16, "logging.log_interval": 4, "checkpoint.keep_last": 5})
 
     script = [sys.executable, str(REPO / "examples" / "iiad_trained.py"), str(sweep),
               iiet_run.name, "--offset-tokens", "0"]

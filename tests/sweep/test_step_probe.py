@@ -5,47 +5,21 @@ theta_{k+1}), and the probe's output-space speed does not depend on the probe LR
 small."""
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
-import yaml
 
-from tests.forked import run_script
+from tests.sweep.conftest import ENV, REPO, launch_iiet_cell
 
-REPO = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 STEPS = 8
-
-
-def _tiny_sweep(tmp_path, tiny_data) -> Path:
-    sweep = tmp_path / "cell.yaml"
-    sweep.write_text(yaml.safe_dump({
-        "name": "cell", "base": str(REPO / "examples" / "tiny_iiet.yaml"),
-        "output": str(tmp_path / "out"), "architectures": ["iiet"],
-        "set": {"data.train": tiny_data.data_prefix, "data.valid": tiny_data.data_prefix,
-                "data.tokenizer": tiny_data.tokenizer_model, "data.num_workers": 0,
-                "data.cache_dir": str(tmp_path / "cache"), "logging.progress_bar": False,
-                "logging.tensorboard": False, "eval.steps": 1, "eval.interval": 4,
-                "logging.log_interval": 1, "checkpoint.keep_last": STEPS + 1,
-                "checkpoint.save_interval": 1, "optimizer.weight_decay": 0.1},
-        "arch_set": {"iiet": {"model.max_iterations": 2}},
-        "sizes": [{"name": "xs", "num_layers": 2, "hidden_size": 32}],
-        "tokens": [STEPS * 4 * 32], "batch": {"global_batch_size": 4, "micro_batch_size": 4,
-                                              "seq_length": 32},
-        "shape_rules": {"head_dim": 16}, "lr": {"values": {"iiet": 3e-3}}}))
-    launched = run_script(str(REPO / "tools" / "sweep.py"), ["launch", str(sweep)], cwd=REPO,
-                          env=ENV, timeout=900)
-    assert launched.returncode == 0, launched.stdout[-2000:] + launched.stderr[-2000:]
-    return sweep
 
 
 def test_the_rebuilt_update_is_the_step_training_took_and_the_speed_is_eta_free(
         tmp_path, tiny_data):
-    sweep = _tiny_sweep(tmp_path, tiny_data)
-    (run,) = [p for p in (tmp_path / "out" / "runs").iterdir()]
+    sweep, run = launch_iiet_cell(tmp_path, tiny_data, STEPS, 2, **{
+        "eval.interval": 4, "logging.log_interval": 1, "checkpoint.keep_last": STEPS + 1,
+        "checkpoint.save_interval": 1, "optimizer.weight_decay": 0.1})
     output = tmp_path / "probe.json"
     proc = subprocess.run([sys.executable, str(REPO / "examples" / "step_probe.py"), str(sweep),
                            run.name, "--eta", "1e-5", "2e-5", "--batches", "1",
