@@ -5,10 +5,11 @@ the quarter checkpoints) with ``checkpoint.init_from`` + ``checkpoint.init_from_
 layer weights are vanilla's, each layer's history starts from its initialisation, the step, the
 LR schedule (vanilla's, at the same LR) and the sample stream go on where vanilla was; only the
 optimizer starts fresh. Equal tokens with every run of the cell; FLOPs: 3/4 of vanilla's plus
-1/4 of IIET's. Its metrics.jsonl is read like any run's (held-out validation every
-eval.interval steps).
+1/4 of IIET's. ``--rewarmup N`` ramps the LR from 0 back to the schedule's over the second
+stage's first N updates (schedule.rewarmup_*; its folder and results carry ``_rewarmupN``).
+Its metrics.jsonl is read like any run's (held-out validation every eval.interval steps).
 
-    python examples/two_stage.py CELL VANILLA_RUN [--dry-run | --collect]
+    python examples/two_stage.py CELL VANILLA_RUN [--rewarmup N] [--dry-run | --collect]
     # e.g. python examples/two_stage.py xs_20tpp vanilla_xs_7.26M_lrbest_s1
 """
 
@@ -97,24 +98,28 @@ def last_quarter_start(plan, run, need: bool = True) -> tuple[int, Path]:
     return quarter, start
 
 
-def second_stage_command(cell: str, vanilla_name: str,
-                         need_start: bool = True) -> tuple[list[str], Path, dict]:
+def second_stage_command(cell: str, vanilla_name: str, need_start: bool = True,
+                         rewarmup: int = 0) -> tuple[list[str], Path, dict]:
     """(the pretrain_iiet.py command of the second stage, its run folder, what its results
     record besides the curves)."""
     plan = cell_plan(cell)
     vanilla = finished_run(plan, vanilla_name, "vanilla")
     quarter, start = last_quarter_start(plan, vanilla, need_start)
     iiet = next(r for r in plan.runs if r.architecture == "iiet")  # the IIET settings of the cell
-    folder = Path(plan.spec.output) / "runs" / f"two_stage_iiet_from_{vanilla_name}"
+    suffix = f"_rewarmup{rewarmup}" if rewarmup else ""
+    folder = Path(plan.spec.output) / "runs" / f"two_stage_iiet_from_{vanilla_name}{suffix}"
     lr, seed = trained_lr(plan, vanilla), vanilla.overrides["seed"]
     share = quarter / vanilla.train_steps  # of the tokens trained as vanilla
     info = {"first_stage": vanilla_name, "switch_step": quarter, "train_steps": vanilla.train_steps,
             "lr": lr, "seed": seed, "tokens": vanilla.tokens,
             "flops": vanilla.tokens * (share * vanilla.flops_per_token
                                        + (1 - share) * iiet.flops_per_token)}
-    return variant_command(plan, iiet, folder, lr, {
-        "seed": seed, "checkpoint.init_from": str(start),
-        "checkpoint.init_from_position": True}), folder, info
+    overrides = {"seed": seed, "checkpoint.init_from": str(start),
+                 "checkpoint.init_from_position": True}
+    if rewarmup:
+        info["rewarmup_steps"] = rewarmup
+        overrides.update({"schedule.rewarmup_from": quarter, "schedule.rewarmup_steps": rewarmup})
+    return variant_command(plan, iiet, folder, lr, overrides), folder, info
 
 
 def collect(cell: str, folder: Path, info: dict) -> Path:
@@ -182,9 +187,11 @@ def run_variant(args: argparse.Namespace, build) -> int:
 def main(argv: list[str]) -> int:
     parser = variant_parser(__doc__)
     parser.add_argument("vanilla_run")
+    parser.add_argument("--rewarmup", type=int, default=0, metavar="N",
+                        help="ramp the LR from 0 over the second stage's first N updates")
     args = parser.parse_args(argv)
-    return run_variant(args, lambda: second_stage_command(args.cell, args.vanilla_run,
-                                                          need_start=not args.collect))
+    return run_variant(args, lambda: second_stage_command(
+        args.cell, args.vanilla_run, need_start=not args.collect, rewarmup=args.rewarmup))
 
 
 if __name__ == "__main__":

@@ -86,6 +86,11 @@ class ScheduleSection:
     wsd_decay_style: str = "cosine"
     exit_interval: Optional[int] = None
     """Save and stop after this many steps of this run (the schedule still spans train_steps)."""
+    rewarmup_from: Optional[int] = None
+    """A second linear warm-up starts after this step: for a run that starts mid-schedule with a
+    fresh optimizer (checkpoint.init_from + init_from_position, two-stage training)."""
+    rewarmup_steps: int = 0
+    """Updates over which that second warm-up ramps the LR from 0 back to the schedule's."""
 
 
 @dataclass
@@ -453,7 +458,8 @@ VALUE_RANGES: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
     (">= 0", lambda v: v >= 0, (
         "model.max_iterations", "model.init_method_std", "data.num_workers", "optimizer.lr",
         "optimizer.min_lr", "optimizer.weight_decay", "optimizer.eps", "optimizer.clip_grad",
-        "schedule.warmup_steps", "schedule.exit_interval", "checkpoint.save_interval",
+        "schedule.warmup_steps", "schedule.exit_interval", "schedule.rewarmup_from",
+        "schedule.rewarmup_steps", "checkpoint.save_interval",
         "checkpoint.keep_last", "logging.max_skipped_steps", "eval.interval",
         "parallel.stall_timeout_s",
         "eval.tasks_interval", "distill.kl_weight", "distill.start_step", "seed")),
@@ -512,6 +518,15 @@ def _check_distill(cfg: TrainConfig) -> None:
                        "its own checkpoints, and starts from init_from before it has any)")
 
 
+def _check_rewarmup(s: ScheduleSection) -> None:
+    if (s.rewarmup_from is None) != (s.rewarmup_steps == 0):
+        raise BadInput("schedule.rewarmup_from and schedule.rewarmup_steps: give both (the step "
+                       "the second warm-up starts after, and its length) or neither")
+    if s.rewarmup_from is not None and s.rewarmup_from + s.rewarmup_steps > s.train_steps:
+        raise BadInput(f"schedule.rewarmup_steps: the second warm-up ({s.rewarmup_steps} steps "
+                       f"after step {s.rewarmup_from}) must end by train_steps {s.train_steps}")
+
+
 def validate(cfg: TrainConfig, world_size: Optional[int] = None, here: bool = True) -> None:
     """Every field's range, then the checks that need several fields at once; world_size adds
     the layout checks."""
@@ -554,6 +569,7 @@ def validate(cfg: TrainConfig, world_size: Optional[int] = None, here: bool = Tr
     _check_distill(cfg)
     if cfg.schedule.warmup_steps >= cfg.schedule.train_steps:
         raise BadInput("schedule.warmup_steps: must be shorter than schedule.train_steps")
+    _check_rewarmup(cfg.schedule)
     _check_model(cfg)
     if world_size is not None:
         mp = par.tensor * par.pipeline

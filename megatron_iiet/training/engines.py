@@ -121,14 +121,33 @@ def _rng_file(directory: Path) -> Path:
     return Path(directory) / "rng" / f"rank{rank()}.pt"
 
 
+class RewarmedScheduler(OptimizerParamScheduler):
+    """The schedule with a second linear warm-up: over the ``steps`` updates after step ``start``
+    the LR ramps from 0 to the schedule's value. A fresh optimizer started mid-schedule (the
+    second stage of two-stage training) would otherwise take its first updates at the full LR
+    from second-moment estimates of a few batches. A pure function of the step, so a resume
+    inside the ramp continues it."""
+
+    def __init__(self, optimizer, *, rewarmup: tuple[int, int], **kwargs):
+        self.rewarmup = rewarmup  # before super().__init__, whose step(0) sets the first LR
+        super().__init__(optimizer, **kwargs)
+
+    def get_lr(self, param_group: dict) -> float:
+        start, steps = self.rewarmup
+        into = self.num_steps - start
+        scale = into / steps if 0 < into < steps else 1.0
+        return super().get_lr(param_group) * scale
+
+
 def build_scheduler(cfg: TrainConfig, optimizer) -> OptimizerParamScheduler:
     """The config's schedule. On resume only the step count comes from the checkpoint: a changed
     schedule or LR takes effect, evaluated at the current step (as Megatron-LM's
     --override-opt_param-scheduler and torchtitan's LR lambdas do), instead of megatron's default
     of silently keeping the saved one."""
     s, o = cfg.schedule, cfg.optimizer
-    return OptimizerParamScheduler(
-        optimizer,
+    rewarmup = {} if s.rewarmup_from is None else {"rewarmup": (s.rewarmup_from, s.rewarmup_steps)}
+    return (RewarmedScheduler if rewarmup else OptimizerParamScheduler)(
+        optimizer, **rewarmup,
         use_checkpoint_opt_param_scheduler=False,
         override_opt_param_scheduler=True,
         init_lr=0.0,

@@ -111,6 +111,15 @@ def test_a_second_stage_continues_the_first_stages_step_schedule_and_samples(tin
     consumed = [read_meta(run / "checkpoints" / "iter_0000006").consumed_samples
                 for run in (first, second)]
     assert consumed[0] == consumed[1] == 6 * 4  # not 3 x 4: the stream went on from step 3
+    # with a second warm-up of 2 updates the first update after the switch takes half the LR
+    rewarmed = tmp_path / "iiet_rewarmed"
+    check_ok(launch(base_overrides(tiny_data, rewarmed, **{
+        "model.architecture": "iiet", **common, "checkpoint.init_from_position": True,
+        "checkpoint.init_from": str(first / "checkpoints" / "iter_0000003"),
+        "schedule.rewarmup_from": 3, "schedule.rewarmup_steps": 2})))
+    rewarmed_lr = {r["step"]: r["lr"] for r in records(rewarmed, "train")}
+    assert rewarmed_lr[4] == pytest.approx(vanilla_lr[4] / 2, rel=1e-12)
+    assert all(rewarmed_lr[s] == pytest.approx(vanilla_lr[s], rel=1e-12) for s in (5, 6))
 
 
 def test_init_from_position_without_init_from_is_refused(tiny_data, tmp_path):
