@@ -14,8 +14,9 @@ import torch.distributed as dist
 
 from megatron_iiet.errors import BadInput
 from megatron_iiet.training.callbacks import (  # noqa: F401  (TooManySkippedSteps re-exported)
-    Callback, CheckpointCallback, CheckpointRecords, ExitIntervalCallback, MetricsCallback,
-    NonFiniteCallback, PreemptionCallback, TooManySkippedSteps, ValidationCallback)
+    Callback, CheckpointCallback, CheckpointRecords, ExitDurationCallback, ExitIntervalCallback,
+    MetricsCallback, NonFiniteCallback, PreemptionCallback, TooManySkippedSteps,
+    ValidationCallback)
 from megatron_iiet.training.config import (
     TrainConfig, build_model_config, padded_vocab_size, validate)
 from megatron_iiet.training.trainer import Trainer, TrainSummary
@@ -86,6 +87,7 @@ def train(cfg: TrainConfig, objective=None, callbacks: tuple[Callback, ...] = ()
     from megatron_iiet.training.signals import PreemptionHandler
     from megatron_iiet.training.watchdog import collective_timeout_s
 
+    started = time.monotonic()  # schedule.exit_duration_minutes counts the set-up too
     # Only OperatorErrors (BadInput, CheckpointError, ...) become one line: the input checks
     # raise them, so a ValueError from torch or megatron is a bug and keeps its traceback.
     par = cfg.parallel
@@ -101,7 +103,7 @@ def train(cfg: TrainConfig, objective=None, callbacks: tuple[Callback, ...] = ()
         locks = on_rank0(lambda: _lock_run_directories(cfg, dist.get_world_size()))
         locks = locks if dist.get_rank() == 0 else ()  # the others got copies: rank 0 holds them
         try:
-            return build_trainer(cfg, preemption, objective, list(callbacks)).fit()
+            return build_trainer(cfg, preemption, objective, list(callbacks), started).fit()
         finally:
             for lock in locks:
                 lock.release()
@@ -132,7 +134,10 @@ def named_callbacks(specs: dict[str, dict]) -> list[Callback]:
 
 
 def build_trainer(cfg: TrainConfig, preemption, objective=None,
-                  extra_callbacks: Optional[list[Callback]] = None) -> Trainer:
+                  extra_callbacks: Optional[list[Callback]] = None,
+                  started: Optional[float] = None) -> Trainer:
+    """The trainer with every configured part; ``started`` (time.monotonic) is when the run
+    began, for ``schedule.exit_duration_minutes`` (default: now)."""
     from megatron.core import parallel_state
 
     from megatron_iiet.data.prepare import builtin_corpus
@@ -255,6 +260,10 @@ def build_trainer(cfg: TrainConfig, preemption, objective=None,
         callbacks.append(StallWatchdog(par.stall_timeout_s, Path(cfg.logging.dir) / "heartbeats"))
     if cfg.schedule.exit_interval:
         callbacks.append(ExitIntervalCallback(cfg.schedule.exit_interval))
+    if cfg.schedule.exit_duration_minutes:
+        callbacks.append(ExitDurationCallback(
+            cfg.schedule.exit_duration_minutes,
+            time.monotonic() if started is None else started))
     callbacks += [CheckpointRecords(cfg.checkpoint.async_save),
                   CheckpointCallback(manager, cfg.checkpoint.save_interval,
                                      state.step if load_path is not None else None),

@@ -13,6 +13,7 @@ list order.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -164,6 +165,32 @@ class ExitIntervalCallback(Callback):
         if event.step - self.first_step >= self.steps:
             trainer.reporter.message(f"schedule.exit_interval: stopped after step {event.step}")
             trainer.request_stop("schedule.exit_interval", save=True)
+
+
+class ExitDurationCallback(Callback):
+    """``schedule.exit_duration_minutes``: save and stop at the first step end after the run
+    has lasted this long since ``started`` (a ``time.monotonic()`` reading taken before
+    set-up). Ranks started and stepped at slightly different times, so the longest elapsed
+    time over them decides, in one collective per step: every rank stops at the same step."""
+
+    def __init__(self, minutes: float, started: float, clock=time.monotonic):
+        self.seconds = 60.0 * minutes
+        self.started = started
+        self.clock = clock
+
+    def on_step_end(self, trainer, event):
+        import torch
+        import torch.distributed as dist
+
+        elapsed = self.clock() - self.started
+        over = torch.tensor([int(elapsed >= self.seconds)], dtype=torch.int32)
+        if dist.is_initialized():
+            dist.all_reduce(over, op=dist.ReduceOp.MAX)
+        if over.item():
+            trainer.reporter.message(
+                f"schedule.exit_duration_minutes: stopped after step {event.step}, "
+                f"{elapsed / 60:.2f} min into the run (limit {self.seconds / 60:g})")
+            trainer.request_stop("schedule.exit_duration_minutes", save=True)
 
 
 class CheckpointCallback(Callback):

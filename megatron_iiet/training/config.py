@@ -86,6 +86,9 @@ class ScheduleSection:
     wsd_decay_style: str = "cosine"
     exit_interval: Optional[int] = None
     """Save and stop after this many steps of this run (the schedule still spans train_steps)."""
+    exit_duration_minutes: Optional[float] = None
+    """Save and stop at the first step end after the run has lasted this long, set-up included
+    (megatron-LM's --exit-duration-in-mins): a job with a time limit ends with its own checkpoint."""
     rewarmup_from: Optional[int] = None
     """A second linear warm-up starts after this step: for a run that starts mid-schedule with a
     fresh optimizer (checkpoint.init_from + init_from_position, two-stage training)."""
@@ -464,7 +467,7 @@ VALUE_RANGES: tuple[tuple[str, Any, tuple[str, ...]], ...] = (
         "parallel.stall_timeout_s",
         "eval.tasks_interval", "distill.kl_weight", "distill.start_step", "seed")),
     ("> 0", lambda v: v > 0, ("eval.tasks_limit", "distill.temperature", "distill.end_step",
-                              "parallel.collective_timeout_s")),
+                              "parallel.collective_timeout_s", "schedule.exit_duration_minutes")),
     ("in [0, 1)", lambda v: 0 <= v < 1, (
         "model.hidden_dropout", "model.attention_dropout", "optimizer.beta1", "optimizer.beta2")),
     ("0..3", lambda v: v in (0, 1, 2, 3), ("parallel.zero_stage",)),

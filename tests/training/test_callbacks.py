@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from megatron_iiet.training.callbacks import (
-    Callback, CheckpointCallback, CheckpointRecords, ExitIntervalCallback, MetricsCallback,
-    NonFiniteCallback, PreemptionCallback, TooManySkippedSteps, ValidationCallback)
+    Callback, CheckpointCallback, CheckpointRecords, ExitDurationCallback, ExitIntervalCallback,
+    MetricsCallback, NonFiniteCallback, PreemptionCallback, TooManySkippedSteps,
+    ValidationCallback)
 from megatron_iiet.training.checkpoint_index import defect, read_meta
 from megatron_iiet.training.checkpointing import CheckpointManager, TrainingState, load
 from megatron_iiet.training.engines import StepResult
@@ -171,6 +172,51 @@ def test_exit_interval_saves_and_stops_after_that_many_steps_of_this_run(tmp_pat
     assert summary.steps == 5 and not summary.preempted
     assert trainer.state.consumed_samples == 40
     assert (tmp_path / "ckpt" / "latest").read_text() == "iter_0000005"
+
+
+class _TickingClock:
+    """A clock that advances `seconds` each time it is read (the callback reads it once a step):
+    the test controls elapsed time without sleeping."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.now = seconds, 0.0
+
+    def __call__(self) -> float:
+        self.now += self.seconds
+        return self.now
+
+
+def test_exit_duration_saves_and_stops_at_the_first_step_past_the_limit(tmp_path, capsys):
+    manager = CheckpointManager(str(tmp_path / "ckpt"), keep_last=0, log=lambda _: None)
+    # 10 s a step against a limit of 0.5 min: steps end at 10, 20, 30 s, so step 3 is the last
+    trainer = _trainer(tmp_path, [ExitDurationCallback(0.5, 0.0, _TickingClock(10.0)),
+                                  CheckpointCallback(manager, 0, None)], steps=6)
+    summary = trainer.fit()
+    assert summary.steps == 3 and not summary.preempted
+    assert (tmp_path / "ckpt" / "latest").read_text() == "iter_0000003"
+    assert ("schedule.exit_duration_minutes: stopped after step 3, 0.50 min into the run "
+            "(limit 0.5)") in capsys.readouterr().out
+
+
+def _stop_on_the_slowest_ranks_clock(rank: int, store_path: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    try:
+        run = Path(out, f"rank{rank}")
+        # rank 1's clock runs twice as fast: alone it would stop at step 3 (60 s), rank 0 at 6
+        clock = _TickingClock(20.0 if rank == 1 else 10.0)
+        summary = _trainer(run, [ExitDurationCallback(1.0, 0.0, clock)], steps=8).fit()
+        Path(out, f"rank{rank}.json").write_text(json.dumps(summary.steps))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_exit_duration_stops_every_rank_at_the_same_step(tmp_path):
+    # two gloo processes whose clocks disagree, as ranks started seconds apart do
+    torch.multiprocessing.spawn(_stop_on_the_slowest_ranks_clock,
+                                args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)] == [3, 3]
 
 
 def test_checkpoint_callback_saves_by_interval_and_at_the_end_with_any_engine(tmp_path):

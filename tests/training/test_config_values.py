@@ -29,6 +29,7 @@ IMPOSSIBLE = [
     ("optimizer.lr=.nan", "optimizer.lr: must be >= 0, got nan"),
     ("optimizer.beta2=1", "optimizer.beta2: must be in [0, 1)"),
     ("checkpoint.save_interval=-2", "checkpoint.save_interval: must be >= 0"),
+    ("schedule.exit_duration_minutes=0", "schedule.exit_duration_minutes: must be > 0"),
     ("data.num_workers=-1", "data.num_workers: must be >= 0"),
     ("seed=-1", "seed: must be >= 0"),
     ("data.split=abc", "data.split: 'abc' is not 'TRAIN,VALID,TEST'"),
